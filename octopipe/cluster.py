@@ -1,0 +1,182 @@
+"""ClusterSpec: the devices a plan runs on, their memory and the links between them.
+
+Glossary: a *device* is one accelerator (or one CPU process in a local gloo "cluster"); devices are
+grouped into *nodes* of `devices_per_node`; devices in one node talk over the intra-node link
+(NVLink), devices in different nodes over the inter-node link (InfiniBand / RoCE). Bandwidths are
+per device and per direction, in bytes per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from octopipe.errors import ClusterSpecError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    num_devices: int
+    devices_per_node: int = 8
+    memory_bytes: float = 80 * GiB
+    intra_node_bandwidth: float = 450e9
+    inter_node_bandwidth: float = 50e9
+    latency_s: float = 5e-6
+    peak_flops: float = 989e12
+    memory_bandwidth: float = 3.35e12
+    """Device memory (HBM) bandwidth, bytes/s: the speed of memory-bound ops in analytic costs."""
+    flops_efficiency: float = 0.5
+    """Fraction of `peak_flops` that matmul-heavy work reaches; analytic costs divide by it."""
+    backend: str = "nccl"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        where = f"ClusterSpec {self.name!r}"
+        for field in ("num_devices", "devices_per_node"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ClusterSpecError(f"{where}: {field} must be a positive integer, got {value!r}")
+        for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "peak_flops", "memory_bandwidth"):
+            value = getattr(self, field)
+            if not _is_number(value) or not value > 0 or math.isinf(value):
+                raise ClusterSpecError(f"{where}: {field} must be a positive finite number, got {value!r}")
+        if not _is_number(self.latency_s) or not 0 <= self.latency_s < 1:
+            raise ClusterSpecError(f"{where}: latency_s must be in [0, 1) seconds, got {self.latency_s!r}")
+        if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
+            raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
+        if self.backend not in ("nccl", "gloo"):
+            raise ClusterSpecError(f"{where}: backend must be 'nccl' or 'gloo', got {self.backend!r}")
+
+    # -- topology ---------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_devices // self.devices_per_node)
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def bandwidth(self, src: int, dst: int) -> float:
+        """Bytes/s of the link between two different devices."""
+        if self.node_of(src) == self.node_of(dst):
+            return self.intra_node_bandwidth
+        return self.inter_node_bandwidth
+
+    def transfer_ms(self, num_bytes: float, src: int, dst: int) -> float:
+        """Time to move `num_bytes` from device src to dst; a hand-off on one device is free."""
+        if src == dst:
+            return 0.0
+        return (self.latency_s + num_bytes / self.bandwidth(src, dst)) * 1e3
+
+    def with_devices(self, num_devices: int) -> ClusterSpec:
+        return dataclasses.replace(self, num_devices=num_devices)
+
+    # -- files ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "cluster spec") -> ClusterSpec:
+        if not isinstance(data, dict):
+            raise ClusterSpecError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ClusterSpecError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        if "preset" in data:
+            raise ClusterSpecError(f"{where}: 'preset' is not a field")
+        if "num_devices" not in data:
+            raise ClusterSpecError(f"{where}: missing required field 'num_devices'")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ClusterSpecError(f"{where}: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterSpec:
+        """Read a YAML or JSON file of ClusterSpec fields. A file may also say `preset: NAME`
+        (with optional `num_devices` and overrides) to start from a preset."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ClusterSpecError(f"{path}: cannot read cluster spec: {exc.strerror}") from None
+        try:
+            if path.suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as exc:  # noqa: BLE001 - any parser failure becomes one clear error
+            raise ClusterSpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        if isinstance(data, dict) and "preset" in data:
+            data = dict(data)
+            base = cls.preset(str(data.pop("preset")), data.pop("num_devices", None))
+            merged = base.to_dict() | data
+            return cls.from_dict(merged, where=str(path))
+        return cls.from_dict(data, where=str(path))
+
+    # -- presets ----------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, num_devices: int | None = None) -> ClusterSpec:
+        """A real cluster by name: `h100x8`, `h100x16`, `h800x16`, `a100x32-roce`, `cpux4`, ...
+
+        GPU presets are nodes of 8 with NVLink inside and InfiniBand (default) or RoCE between;
+        `cpu` is a local "cluster" of gloo processes on this machine. `num_devices` overrides the
+        count in the name.
+        """
+        match = _PRESET_NAME.match(name.strip().lower())
+        if not match:
+            raise ClusterSpecError(
+                f"unknown cluster preset {name!r}; use one of {', '.join(PRESET_EXAMPLES)} "
+                "(GPU kind h100|h800|h200|a100 or cpu, 'x' device count, optional -ib|-roce)"
+            )
+        kind, count, fabric = match.group(1), match.group(2), match.group(3) or "ib"
+        devices = num_devices if num_devices is not None else int(count) if count else _DEFAULT_COUNT[kind]
+        base = dict(_GPU_PRESETS[kind])
+        if kind != "cpu" and fabric == "roce":
+            base["inter_node_bandwidth"] = base["inter_node_bandwidth"] * 0.8
+            base["latency_s"] = base["latency_s"] * 2
+        suffix = f"-{fabric}" if kind != "cpu" and match.group(3) else ""
+        return cls(num_devices=devices, name=f"{kind}x{devices}{suffix}", **base)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+_PRESET_NAME = re.compile(r"^(h100|h800|h200|a100|cpu)(?:x(\d+))?(?:-(ib|roce))?$")
+_DEFAULT_COUNT = {"h100": 8, "h800": 8, "h200": 8, "a100": 8, "cpu": 2}
+# Per-device, per-direction bandwidths: NVLink 4 (H100/H200) 900 GB/s bidirectional, H800's
+# NVLink cut to 400 GB/s, A100 NVLink 3 600 GB/s; one 400 Gb/s (H-series) or 200 Gb/s (A100)
+# NIC per GPU between nodes. Peak flops are dense BF16.
+_GPU_PRESETS: dict[str, dict[str, Any]] = {
+    "h100": dict(devices_per_node=8, memory_bytes=80 * GiB, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+                 latency_s=5e-6, peak_flops=989e12, memory_bandwidth=3.35e12, backend="nccl"),
+    "h800": dict(devices_per_node=8, memory_bytes=80 * GiB, intra_node_bandwidth=200e9, inter_node_bandwidth=50e9,
+                 latency_s=5e-6, peak_flops=989e12, memory_bandwidth=3.35e12, backend="nccl"),
+    "h200": dict(devices_per_node=8, memory_bytes=141 * GiB, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+                 latency_s=5e-6, peak_flops=989e12, memory_bandwidth=4.8e12, backend="nccl"),
+    "a100": dict(devices_per_node=8, memory_bytes=80 * GiB, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+                 latency_s=8e-6, peak_flops=312e12, memory_bandwidth=2.0e12, backend="nccl"),
+    # One gloo process per "device" on one machine: loopback TCP, a CPU core's worth of flops.
+    "cpu": dict(devices_per_node=1024, memory_bytes=4 * GiB, intra_node_bandwidth=2e9, inter_node_bandwidth=2e9,
+                latency_s=5e-5, peak_flops=1e11, memory_bandwidth=2e10, flops_efficiency=0.3, backend="gloo"),
+}
+PRESET_EXAMPLES = ("h100x8", "h100x16", "h800x16-roce", "h200x8", "a100x32", "cpux2")

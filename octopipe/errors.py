@@ -1,0 +1,43 @@
+"""The one error hierarchy of OctoPipe.
+
+Every user-facing failure is an `OctopipeError` subclass whose message says where (file, layer,
+stage, rank, step), which rule broke, expected vs actual, and the fix when there is one.
+"""
+
+from __future__ import annotations
+
+
+class OctopipeError(Exception):
+    """Base class of every error OctoPipe raises on purpose."""
+
+
+class ParseError(OctopipeError):
+    """A text or file form of an IR value (plan, cost table, program, graph) is malformed."""
+
+
+class ClusterSpecError(OctopipeError):
+    """A cluster description is invalid (non-positive sizes, unknown preset, bad file)."""
+
+
+class CostTableError(OctopipeError):
+    """A cost table is malformed: names the file, the layer and the field."""
+
+
+class TraceError(OctopipeError):
+    """A model could not be traced into a LayerGraph."""
+
+
+class PlanError(OctopipeError):
+    """A pipeline plan cannot run (missing op, op on the wrong device, dependency cycle)."""
+
+
+class InfeasibleError(OctopipeError):
+    """No plan meets the constraints (for example the memory limit)."""
+
+
+class VerificationError(OctopipeError):
+    """Rank programs failed a static check (unmatched comms, missing inputs, deadlock)."""
+
+
+class ExecutionError(OctopipeError):
+    """A pipeline step failed at run time (a peer died or stalled, a worker raised)."""

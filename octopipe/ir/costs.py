@@ -1,0 +1,332 @@
+"""LayerCost and CostTable: what each pipeline layer costs (IR level 2).
+
+Consumes a file (JSON/YAML, the keys below) or the analytic/profiling passes' output; produces the
+per-layer times and bytes every search component reads. Times are milliseconds per microbatch:
+`forward_ms` (F), `backward_ms` (input plus weight gradient, B+W), `backward_weight_ms` (the W
+part; when absent the table's `weight_fraction` of `backward_ms` is assumed). Bytes are per
+microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the next stage, and
+`param_bytes` of the layer's parameters (in the training dtype). A missing byte count is `None`
+and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
+sequence symbol `s` where the costs came from analysis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import sympy
+
+from octopipe.errors import CostTableError, ParseError
+from octopipe.ir.text import FieldReader, format_fields, parse_fields, record
+
+DEFAULT_WEIGHT_FRACTION = 0.5
+"""W's share of a layer's backward when a table does not say: input- and weight-gradient matmuls
+cost the same (the zero-bubble papers' F = B = W assumption for transformer blocks)."""
+
+_TIME_FIELDS = ("forward_ms", "backward_ms")
+_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    name: str
+    kind: str = "block"
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    backward_weight_ms: float | None = None
+    activation_bytes: int | None = None
+    output_bytes: int | None = None
+    param_bytes: int | None = None
+    formulas: tuple[tuple[str, str], ...] = ()
+    """(name, sympy expression text) pairs, e.g. ("forward_flops", "24*b*s*h**2")."""
+
+    def formula(self, name: str) -> sympy.Expr:
+        for key, text in self.formulas:
+            if key == name:
+                return sympy.sympify(text)
+        raise KeyError(f"layer {self.name!r} has no formula {name!r}; it has {[k for k, _ in self.formulas]}")
+
+    def _fields(self) -> list[tuple[str, object]]:
+        return [
+            ("name", self.name), ("kind", self.kind), ("forward_ms", self.forward_ms),
+            ("backward_ms", self.backward_ms), ("backward_weight_ms", self.backward_weight_ms),
+            ("activation_bytes", self.activation_bytes), ("output_bytes", self.output_bytes),
+            ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
+        ]
+
+    def __str__(self) -> str:
+        return "layer " + format_fields(self._fields())
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {key: value for key, value in self._fields()[:8] if value is not None}
+        if self.formulas:
+            data["formulas"] = dict(self.formulas)
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    layers: tuple[LayerCost, ...]
+    model: str = ""
+    weight_fraction: float = DEFAULT_WEIGHT_FRACTION
+    _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise CostTableError(f"cost table {self.model!r}: has no layers")
+        for index, layer in enumerate(self.layers):
+            _check_layer(layer, f"cost table {self.model!r}: layer {index} ({layer.name!r})")
+        if not 0 <= self.weight_fraction <= 1:
+            raise CostTableError(f"cost table {self.model!r}: weight_fraction must be in [0, 1], got {self.weight_fraction}")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[LayerCost]:
+        return iter(self.layers)
+
+    def __getitem__(self, index: int) -> LayerCost:
+        return self.layers[index]
+
+    # -- derived per-layer arrays (cached: the simulator and tuner read them in hot loops) ----
+    def _array(self, key: str, values: Iterable[float]) -> tuple[float, ...]:
+        cached = self._derived.get(key)
+        if cached is None:
+            cached = self._derived[key] = tuple(values)
+        return cached
+
+    @property
+    def forward(self) -> tuple[float, ...]:
+        """F time of each layer, ms."""
+        return self._array("forward", (layer.forward_ms for layer in self.layers))
+
+    @property
+    def weight(self) -> tuple[float, ...]:
+        """W time of each layer, ms (stated or `weight_fraction` of the backward)."""
+        return self._array("weight", (self.weight_ms(layer) for layer in self.layers))
+
+    @property
+    def backward_input(self) -> tuple[float, ...]:
+        """B time of each layer when W is split off, ms."""
+        return self._array("backward_input", (l.backward_ms - w for l, w in zip(self.layers, self.weight)))
+
+    @property
+    def backward_full(self) -> tuple[float, ...]:
+        return self._array("backward_full", (layer.backward_ms for layer in self.layers))
+
+    @property
+    def activation(self) -> tuple[float, ...]:
+        return self._array("activation", (float(layer.activation_bytes or 0) for layer in self.layers))
+
+    @property
+    def output(self) -> tuple[float, ...]:
+        return self._array("output", (float(layer.output_bytes or 0) for layer in self.layers))
+
+    @property
+    def params(self) -> tuple[float, ...]:
+        return self._array("params", (float(layer.param_bytes or 0) for layer in self.layers))
+
+    def weight_ms(self, layer: LayerCost) -> float:
+        if layer.backward_weight_ms is not None:
+            return layer.backward_weight_ms
+        return layer.backward_ms * self.weight_fraction
+
+    @property
+    def has_memory_info(self) -> bool:
+        return any(layer.activation_bytes is not None for layer in self.layers)
+
+    def total_ms(self) -> float:
+        return sum(self.forward) + sum(self.backward_full)
+
+    def prefix(self, key: str) -> tuple[float, ...]:
+        """Prefix sums of a per-layer array (`forward`, `backward_full`, ...): O(1) range sums."""
+        cache_key = "prefix:" + key
+        cached = self._derived.get(cache_key)
+        if cached is None:
+            total, sums = 0.0, [0.0]
+            for value in getattr(self, key):
+                total += value
+                sums.append(total)
+            cached = self._derived[cache_key] = tuple(sums)
+        return cached
+
+    def range_sum(self, key: str, start: int, end: int) -> float:
+        sums = self.prefix(key)
+        return sums[end] - sums[start]
+
+    def replace_layers(self, layers: Iterable[LayerCost]) -> CostTable:
+        return replace(self, layers=tuple(layers), _derived={})
+
+    # -- text form --------------------------------------------------------------------------
+    def __str__(self) -> str:
+        head = "costs " + format_fields(
+            [("model", self.model or None), ("weight_fraction", self.weight_fraction), ("layers", len(self.layers))]
+        )
+        return "\n".join([head, *(str(layer) for layer in self.layers)]) + "\n"
+
+    @classmethod
+    def parse(cls, text: str) -> CostTable:
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if not lines:
+            raise ParseError("cost table text is empty")
+        keyword, tokens, where = record("costs", lines[0][1], lines[0][0])
+        if keyword != "costs":
+            raise ParseError(f"{where}: expected 'costs ...', got {keyword!r}")
+        head = FieldReader(parse_fields(tokens, where), where)
+        model = head.str("model", default="-")
+        weight_fraction = head.float("weight_fraction", DEFAULT_WEIGHT_FRACTION)
+        count = head.int("layers")
+        head.done()
+        layers = []
+        for number, line in lines[1:]:
+            keyword, tokens, where = record("layer", line, number)
+            if keyword != "layer":
+                raise ParseError(f"{where}: expected 'layer ...', got {keyword!r}")
+            reader = FieldReader(parse_fields(tokens, where), where)
+            layer = LayerCost(
+                name=reader.str("name"),
+                kind=reader.str("kind"),
+                forward_ms=reader.float("forward_ms"),
+                backward_ms=reader.float("backward_ms"),
+                backward_weight_ms=reader.optional_float("backward_weight_ms"),
+                activation_bytes=reader.optional_int("activation_bytes"),
+                output_bytes=reader.optional_int("output_bytes"),
+                param_bytes=reader.optional_int("param_bytes"),
+            )
+            formulas = []
+            for key, value in reader.rest().items():
+                if not key.startswith("f."):
+                    raise ParseError(f"{where}: unknown field {key!r}")
+                formulas.append((key[2:], value))
+            layers.append(replace(layer, formulas=tuple(formulas)))
+        if len(layers) != count:
+            raise ParseError(f"cost table header says layers={count}, found {len(layers)} layer lines")
+        return cls(tuple(layers), model="" if model == "-" else model, weight_fraction=weight_fraction)
+
+    # -- JSON / YAML ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        if self.model:
+            data["model"] = self.model
+        data["weight_fraction"] = self.weight_fraction
+        data["layers"] = [layer.to_dict() for layer in self.layers]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "cost table") -> CostTable:
+        """Build from the file form; keys beyond the known ones (like `source`) are ignored."""
+        if not isinstance(data, dict):
+            raise CostTableError(f"{source}: expected an object with a 'layers' list, got {type(data).__name__}")
+        raw_layers = data.get("layers")
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise CostTableError(f"{source}: 'layers' must be a non-empty list of layer objects")
+        weight_fraction = data.get("weight_fraction", DEFAULT_WEIGHT_FRACTION)
+        if not _is_number(weight_fraction) or not 0 <= weight_fraction <= 1:
+            raise CostTableError(f"{source}: 'weight_fraction' must be a number in [0, 1], got {weight_fraction!r}")
+        layers = []
+        seen: dict[str, int] = {}
+        for index, raw in enumerate(raw_layers):
+            layer = _layer_from_dict(raw, index, source)
+            if layer.name in seen:
+                raise CostTableError(
+                    f"{source}: layer {index} ({layer.name!r}): name already used by layer {seen[layer.name]}; names must be unique"
+                )
+            seen[layer.name] = index
+            layers.append(layer)
+        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise CostTableError(f"{path}: cannot read cost table: {exc.strerror}") from None
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise CostTableError(f"{path}: not valid YAML: {exc}") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise CostTableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        table = cls.from_dict(data, source=str(path))
+        if not table.model:
+            table = replace(table, model=path.stem, _derived={})
+        return table
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
+    where = f"{source}: layer {index}"
+    if not isinstance(raw, dict):
+        raise CostTableError(f"{where}: expected an object with forward_ms/backward_ms, got {type(raw).__name__}")
+    name = raw.get("name", f"layer{index}")
+    if not isinstance(name, str) or not name:
+        raise CostTableError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
+    where = f"{source}: layer {index} ({name!r})"
+    values: dict[str, Any] = {}
+    for key in _TIME_FIELDS:
+        if key not in raw:
+            raise CostTableError(f"{where}: missing field {key!r} (milliseconds per microbatch)")
+        values[key] = raw[key]
+    for key in ("backward_weight_ms", *_BYTE_FIELDS):
+        if raw.get(key) is not None:
+            values[key] = raw[key]
+    kind = raw.get("kind", "block")
+    if not isinstance(kind, str):
+        raise CostTableError(f"{where}: field 'kind' must be a string, got {kind!r}")
+    formulas = raw.get("formulas", {})
+    if not isinstance(formulas, dict) or not all(isinstance(v, str) for v in formulas.values()):
+        raise CostTableError(f"{where}: field 'formulas' must map names to expression strings")
+    for key in _BYTE_FIELDS:
+        if key in values and _is_number(values[key]) and float(values[key]).is_integer():
+            values[key] = int(values[key])
+    layer = LayerCost(name=name, kind=kind, formulas=tuple(formulas.items()), **values)
+    _check_layer(layer, where)
+    return layer
+
+
+def _check_layer(layer: LayerCost, where: str) -> None:
+    for key in (*_TIME_FIELDS, "backward_weight_ms"):
+        value = getattr(layer, key)
+        if value is None and key == "backward_weight_ms":
+            continue
+        if not _is_number(value) or value < 0:
+            raise CostTableError(f"{where}: field {key!r} must be a non-negative number of milliseconds, got {value!r}")
+    if layer.backward_weight_ms is not None and layer.backward_weight_ms > layer.backward_ms:
+        raise CostTableError(
+            f"{where}: backward_weight_ms={layer.backward_weight_ms} exceeds backward_ms={layer.backward_ms}; "
+            "backward_ms is input plus weight gradient, so W must be part of it"
+        )
+    for key in _BYTE_FIELDS:
+        value = getattr(layer, key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise CostTableError(f"{where}: field {key!r} must be a non-negative integer of bytes, got {value!r}")
+    if not isinstance(layer.name, str) or not layer.name:
+        raise CostTableError(f"{where}: name must be a non-empty string")

@@ -1,0 +1,348 @@
+"""Stage, Op and PipelinePlan: partition + placement + per-device op order (IR level 3).
+
+Glossary: a *stage* is a contiguous half-open range of layers run on one device; stages are
+numbered in data-flow order (stage s feeds stage s+1). A *device* runs one or more stages (more
+stages than devices = looped/interleaved/V placements). A *microbatch* is one equal slice of the
+batch. An *op* is `F` (forward), `B` (input gradient; a full backward when the stage/microbatch
+has no W op) or `W` (weight gradient) of one stage and microbatch, written `2F0` as in PyTorch.
+
+Text form (exact; `PipelinePlan.parse` is the inverse of `str`):
+    plan devices=2 microbatches=4 stages=4
+    stage 0 layers=0:3 device=0
+    device 0: 0F0 0F1 ...
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from octopipe.errors import ParseError, PlanError
+
+
+class OpKind(str, Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_OP_PATTERN = re.compile(r"^(\d+)([FBW])(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Op:
+    stage: int
+    kind: OpKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        match = _OP_PATTERN.match(text.strip())
+        if not match:
+            raise ParseError(f"bad op {text!r}: expected <stage><F|B|W><microbatch>, e.g. 2F0")
+        return cls(int(match.group(1)), OpKind(match.group(2)), int(match.group(3)))
+
+
+def F(stage: int, microbatch: int) -> Op:
+    return Op(stage, OpKind.F, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Op:
+    return Op(stage, OpKind.B, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Op:
+    return Op(stage, OpKind.W, microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    layer_start: int
+    layer_end: int
+    device: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def __str__(self) -> str:
+        return f"stage {self.index} layers={self.layer_start}:{self.layer_end} device={self.device}"
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    num_devices: int
+    num_microbatches: int
+    stages: tuple[Stage, ...]
+    device_ops: tuple[tuple[Op, ...], ...]
+    """device_ops[d] = the ops device d runs, in order."""
+    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "device_ops", tuple(tuple(ops) for ops in self.device_ops))
+        if len(self.device_ops) != self.num_devices:
+            raise PlanError(f"plan has {len(self.device_ops)} device op lists for devices={self.num_devices}")
+
+    @classmethod
+    def build(
+        cls,
+        num_microbatches: int,
+        partition: Sequence[int] | Sequence[tuple[int, int]],
+        placement: Sequence[int],
+        device_ops: Sequence[Iterable[Op]],
+        num_devices: int | None = None,
+    ) -> PipelinePlan:
+        """Convenience constructor. `partition` is either boundaries [0, b1, ..., num_layers] or
+        (start, end) pairs; `placement[s]` is stage s's device."""
+        if partition and isinstance(partition[0], tuple):
+            ranges = list(partition)  # type: ignore[arg-type]
+        else:
+            bounds = list(partition)  # type: ignore[arg-type]
+            ranges = list(zip(bounds[:-1], bounds[1:]))
+        if len(ranges) != len(placement):
+            raise PlanError(f"{len(ranges)} stage layer ranges but {len(placement)} stage devices")
+        stages = tuple(Stage(i, a, b, d) for i, ((a, b), d) in enumerate(zip(ranges, placement)))
+        devices = num_devices if num_devices is not None else len(device_ops)
+        return cls(devices, num_microbatches, stages, tuple(tuple(ops) for ops in device_ops))
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layer_end if self.stages else 0
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        return tuple(stage.device for stage in self.stages)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        return (0, *(stage.layer_end for stage in self.stages))
+
+    def stages_of(self, device: int) -> tuple[int, ...]:
+        return tuple(stage.index for stage in self.stages if stage.device == device)
+
+    def split_backward(self) -> frozenset[tuple[int, int]]:
+        """(stage, microbatch) pairs that have a separate W op (their B is input-gradient only)."""
+        cached = self._cache.get("split")
+        if cached is None:
+            cached = self._cache["split"] = frozenset(
+                (op.stage, op.microbatch) for ops in self.device_ops for op in ops if op.kind is OpKind.W
+            )
+        return cached
+
+    def num_ops(self) -> int:
+        return sum(len(ops) for ops in self.device_ops)
+
+    def with_ops(self, device_ops: Sequence[Iterable[Op]]) -> PipelinePlan:
+        return PipelinePlan(self.num_devices, self.num_microbatches, self.stages, tuple(tuple(o) for o in device_ops))
+
+    # -- structural check -----------------------------------------------------------------------
+    def validate(self, num_layers: int | None = None) -> None:
+        """Raise PlanError unless the partition covers the layers in order, every stage sits on an
+        existing device, and each (stage, microbatch) has exactly one F and one B, at most one W,
+        all on the stage's device, with F before B before W there."""
+        if self.num_devices < 1 or self.num_microbatches < 1:
+            raise PlanError(f"plan needs devices >= 1 and microbatches >= 1, got {self.num_devices}, {self.num_microbatches}")
+        if not self.stages:
+            raise PlanError("plan has no stages")
+        expected_start = 0
+        for position, stage in enumerate(self.stages):
+            if stage.index != position:
+                raise PlanError(f"stage at position {position} is numbered {stage.index}; stages must be numbered 0, 1, ...")
+            if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+                raise PlanError(
+                    f"stage {stage.index} has layers {stage.layer_start}:{stage.layer_end}; expected a non-empty range "
+                    f"starting at {expected_start} (stages cover the layers contiguously, in order)"
+                )
+            if not 0 <= stage.device < self.num_devices:
+                raise PlanError(f"stage {stage.index} is placed on device {stage.device}; devices are 0..{self.num_devices - 1}")
+            expected_start = stage.layer_end
+        if num_layers is not None and expected_start != num_layers:
+            raise PlanError(f"stages cover layers 0:{expected_start} but the model has {num_layers} layers")
+        seen: dict[Op, tuple[int, int]] = {}
+        for device, ops in enumerate(self.device_ops):
+            for step, op in enumerate(ops):
+                where = (device, step)
+                if not 0 <= op.stage < self.num_stages or not 0 <= op.microbatch < self.num_microbatches:
+                    raise PlanError(
+                        f"device {device} step {step}: op {op} names a stage or microbatch outside "
+                        f"stages 0..{self.num_stages - 1}, microbatches 0..{self.num_microbatches - 1}\n"
+                        + render_grid(self.device_ops, mark=where)
+                    )
+                if self.stages[op.stage].device != device:
+                    raise PlanError(
+                        f"device {device} step {step}: op {op} belongs to stage {op.stage}, which is placed on device "
+                        f"{self.stages[op.stage].device}\n" + render_grid(self.device_ops, mark=where)
+                    )
+                if op in seen:
+                    raise PlanError(
+                        f"device {device} step {step}: op {op} appears twice (first at device {seen[op][0]} step {seen[op][1]})\n"
+                        + render_grid(self.device_ops, mark=where)
+                    )
+                if op.kind is OpKind.B and F(op.stage, op.microbatch) not in seen:
+                    raise PlanError(f"device {device} step {step}: {op} runs before its forward\n" + render_grid(self.device_ops, mark=where))
+                if op.kind is OpKind.W and B(op.stage, op.microbatch) not in seen:
+                    raise PlanError(f"device {device} step {step}: {op} runs before its B\n" + render_grid(self.device_ops, mark=where))
+                seen[op] = where
+        for stage in range(self.num_stages):
+            for microbatch in range(self.num_microbatches):
+                for op in (F(stage, microbatch), B(stage, microbatch)):
+                    if op not in seen:
+                        raise PlanError(
+                            f"op {op} is missing: stage {stage} microbatch {microbatch} needs one F and one B on device "
+                            f"{self.stages[stage].device}\n" + render_grid(self.device_ops)
+                        )
+
+    # -- text form ----------------------------------------------------------------------------
+    def __str__(self) -> str:
+        lines = [f"plan devices={self.num_devices} microbatches={self.num_microbatches} stages={self.num_stages}"]
+        lines += [str(stage) for stage in self.stages]
+        lines += [f"device {d}: " + " ".join(str(op) for op in ops) for d, ops in enumerate(self.device_ops)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def parse(cls, text: str) -> PipelinePlan:
+        lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if not lines:
+            raise ParseError("plan text is empty")
+        number, head = lines[0]
+        match = re.fullmatch(r"plan devices=(\d+) microbatches=(\d+) stages=(\d+)", head)
+        if not match:
+            raise ParseError(f"line {number}: expected 'plan devices=N microbatches=M stages=S', got {head!r}")
+        num_devices, num_microbatches, num_stages = (int(g) for g in match.groups())
+        stages: list[Stage] = []
+        device_ops: dict[int, tuple[Op, ...]] = {}
+        for number, line in lines[1:]:
+            if line.startswith("stage "):
+                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)", line)
+                if not match:
+                    raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D', got {line!r}")
+                stages.append(Stage(*(int(g) for g in match.groups())))
+            elif line.startswith("device "):
+                match = re.fullmatch(r"device (\d+):(.*)", line)
+                if not match:
+                    raise ParseError(f"line {number}: expected 'device D: ops...', got {line!r}")
+                device = int(match.group(1))
+                if device in device_ops:
+                    raise ParseError(f"line {number}: device {device} listed twice")
+                try:
+                    device_ops[device] = tuple(Op.parse(token) for token in match.group(2).split())
+                except ParseError as exc:
+                    raise ParseError(f"line {number}: {exc}") from None
+            else:
+                raise ParseError(f"line {number}: expected a 'stage' or 'device' line, got {line!r}")
+        if len(stages) != num_stages:
+            raise ParseError(f"plan header says stages={num_stages}, found {len(stages)} stage lines")
+        if sorted(device_ops) != list(range(num_devices)):
+            raise ParseError(f"plan header says devices={num_devices}, found device lines {sorted(device_ops)}")
+        return cls(num_devices, num_microbatches, tuple(stages), tuple(device_ops[d] for d in range(num_devices)))
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_devices": self.num_devices,
+            "num_microbatches": self.num_microbatches,
+            "stages": [{"layers": [s.layer_start, s.layer_end], "device": s.device} for s in self.stages],
+            "device_ops": [[str(op) for op in ops] for ops in self.device_ops],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PipelinePlan:
+        try:
+            stages = tuple(Stage(i, int(s["layers"][0]), int(s["layers"][1]), int(s["device"])) for i, s in enumerate(data["stages"]))
+            device_ops = tuple(tuple(Op.parse(op) for op in ops) for ops in data["device_ops"])
+            return cls(int(data["num_devices"]), int(data["num_microbatches"]), stages, device_ops)
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ParseError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); expected keys num_devices, "
+                             "num_microbatches, stages[{layers, device}], device_ops") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelinePlan:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ParseError(f"plan JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+
+    # -- torch.distributed.pipelining interop ---------------------------------------------------
+    def to_torch_csv(self) -> str:
+        """PyTorch's compute-only schedule CSV: one row per rank, actions `2F0`, `2I0` (input
+        gradient), `2W0`, `2B0` (full backward). Our B maps to I when the pair has a W."""
+        split = self.split_backward()
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        for ops in self.device_ops:
+            row = []
+            for op in ops:
+                if op.kind is OpKind.B and (op.stage, op.microbatch) in split:
+                    row.append(f"{op.stage}I{op.microbatch}")
+                else:
+                    row.append(str(op))
+            writer.writerow(row)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_torch_csv(cls, text: str, partition: Sequence[int]) -> PipelinePlan:
+        """Read PyTorch's compute-only CSV (rows = ranks). `partition` gives the layer boundaries
+        [0, b1, ..., num_layers] of its stages; placement comes from the rows."""
+        device_ops: list[tuple[Op, ...]] = []
+        placement: dict[int, int] = {}
+        num_microbatches = 0
+        for rank, row in enumerate(csv.reader(io.StringIO(text))):
+            ops = []
+            for cell in row:
+                cell = cell.strip()
+                if not cell:
+                    continue  # PyTorch writes empty cells for idle steps
+                match = re.fullmatch(r"(\d+)([FIBW])(\d+)", cell)
+                if not match:
+                    raise ParseError(f"torch CSV row {rank}: unsupported action {cell!r}; only F, I, B, W compute actions import")
+                stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))
+                if placement.setdefault(stage, rank) != rank:
+                    raise ParseError(f"torch CSV: stage {stage} appears on ranks {placement[stage]} and {rank}")
+                ops.append(Op(stage, OpKind.B if kind == "I" else OpKind(kind), microbatch))
+                num_microbatches = max(num_microbatches, microbatch + 1)
+            device_ops.append(tuple(ops))
+        num_stages = len(partition) - 1
+        if sorted(placement) != list(range(num_stages)):
+            raise ParseError(f"torch CSV has stages {sorted(placement)} but the partition has {num_stages} stages")
+        return cls.build(num_microbatches, partition, [placement[s] for s in range(num_stages)], device_ops)
+
+
+def render_grid(device_ops: Sequence[Sequence[object]], mark: tuple[int, int] | None = None, max_steps: int = 400) -> str:
+    """The device x step grid (rows = steps, one column per device), PyTorch style, with
+    `<-- ERROR HERE` after the step that holds the marked (device, step) cell."""
+    num_devices = len(device_ops)
+    steps = min(max((len(ops) for ops in device_ops), default=0), max_steps)
+    cells = [[str(ops[step]) if step < len(ops) else "" for ops in device_ops] for step in range(steps)]
+    width = max([len(f"device {num_devices - 1}"), *(len(c) for row in cells for c in row)]) + 1
+    header = "step  " + "".join(f"device {d}".ljust(width) for d in range(num_devices))
+    lines = [header]
+    for step, row in enumerate(cells):
+        text = f"{step:<5} " + "".join(
+            (("[" + c + "]") if mark == (d, step) else c).ljust(width) for d, c in enumerate(row)
+        )
+        if mark is not None and mark[1] == step:
+            text = text.rstrip() + "   <-- ERROR HERE (device %d)" % mark[0]
+        lines.append(text.rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,444 @@
+"""Graph-based pipeline simulator: a PipelinePlan + CostTable + ClusterSpec -> SimResult.
+
+The contract every search component shares (DESIGN.md, "The simulator"). Nodes are ops and
+transfers. F(s,m) waits for F(s-1,m)'s output to arrive; B(s,m) waits for F(s,m) and for the
+gradient of B(s+1,m) (the last stage's B only for its F); W(s,m) for B(s,m). A device runs its ops
+in plan order, each as soon as the previous one ended and its inputs arrived. A transfer between
+devices takes latency + bytes / bandwidth, a directed link (device pair) carries one transfer at a
+time in the order the sender produced them, and transfers overlap compute unless
+`blocking_sends=True` (then the sender waits for its send). Hand-offs on one device are free.
+
+Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
+`param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
+allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
+frees all but `weight_memory_fraction` at B's end and the rest at W's end.
+
+Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from octopipe.cluster import ClusterSpec
+from octopipe.errors import PlanError
+from octopipe.ir.costs import CostTable
+from octopipe.ir.plan import Op, OpKind, PipelinePlan, render_grid
+
+MIXED_PRECISION_ADAM_STATE = 8.0
+"""Bytes of weights + gradients + optimizer state per byte of bf16 weights: 2 (weight) + 2 (grad)
++ 4 (fp32 master) + 4 + 4 (Adam moments) = 16 bytes per parameter = 8x its 2 bf16 bytes."""
+
+ZERO_BUBBLE_WEIGHT_MEMORY = 32 / 34
+"""Share of a layer's activation memory still held between B and W: W needs the linear layers'
+inputs and output gradients, 32bsh of a transformer layer's 34bsh (Qi et al., Zero Bubble PP)."""
+
+_KINDS = (OpKind.F, OpKind.B, OpKind.W)
+_KIND_INDEX = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    state_bytes_per_param_byte: float = MIXED_PRECISION_ADAM_STATE
+    weight_memory_fraction: float = ZERO_BUBBLE_WEIGHT_MEMORY
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Per-stage sums of a cost table for one plan's partition (ms and bytes per microbatch)."""
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_full: tuple[float, ...]
+    weight: tuple[float, ...]
+    activation: tuple[float, ...]
+    output: tuple[float, ...]
+    """Bytes each stage sends forward (its last layer's output); the gradient going back is as big."""
+    params: tuple[float, ...]
+
+    @classmethod
+    def of(cls, boundaries: tuple[int, ...], costs: CostTable) -> StageCosts:
+        pairs = list(zip(boundaries[:-1], boundaries[1:]))
+        output = costs.output
+        return cls(
+            forward=tuple(costs.range_sum("forward", a, b) for a, b in pairs),
+            backward_input=tuple(costs.range_sum("backward_input", a, b) for a, b in pairs),
+            backward_full=tuple(costs.range_sum("backward_full", a, b) for a, b in pairs),
+            weight=tuple(costs.range_sum("weight", a, b) for a, b in pairs),
+            activation=tuple(costs.range_sum("activation", a, b) for a, b in pairs),
+            output=tuple(output[b - 1] for _, b in pairs),
+            params=tuple(costs.range_sum("params", a, b) for a, b in pairs),
+        )
+
+
+def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
+    if plan.num_layers != len(costs):
+        raise PlanError(
+            f"plan covers {plan.num_layers} layers but the cost table {costs.model!r} has {len(costs)}; "
+            "plan and costs must describe the same model"
+        )
+    key = ("stage_costs", id(costs))
+    cached = plan._cache.get(key)
+    if cached is None or cached[0] is not costs:
+        cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs))
+    return cached[1]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    kind: str  # "act" or "grad"
+    src: int
+    dst: int
+    start_ms: float
+    end_ms: float
+    op: Op  # the producing op
+
+
+@dataclass(frozen=True)
+class SimResult:
+    plan: PipelinePlan
+    cluster: ClusterSpec
+    iteration_ms: float
+    op_start: dict[Op, float]
+    op_end: dict[Op, float]
+    transfers: tuple[Transfer, ...]
+    static_memory_bytes: tuple[float, ...]
+    peak_activation_bytes: tuple[float, ...]
+    _critical_pred: dict[Op, Op | None] = field(repr=False)
+
+    # -- time ---------------------------------------------------------------------------------
+    @cached_property
+    def device_busy_ms(self) -> tuple[float, ...]:
+        return tuple(sum(self.op_end[op] - self.op_start[op] for op in ops) for ops in self.plan.device_ops)
+
+    @cached_property
+    def device_idle_ms(self) -> tuple[float, ...]:
+        return tuple(self.iteration_ms - busy for busy in self.device_busy_ms)
+
+    @cached_property
+    def bubbles(self) -> tuple[tuple[float, float, float], ...]:
+        """Per device (warm-up, cool-down, residual) idle ms. A gap that ends before the device's
+        first backward is warm-up (the pipeline filling), one that starts after its last forward is
+        cool-down (draining, up to the iteration's end); the other gaps are residual bubbles."""
+        result = []
+        for ops in self.plan.device_ops:
+            if not ops:
+                result.append((self.iteration_ms, 0.0, 0.0))
+                continue
+            first_backward = min((self.op_start[op] for op in ops if op.kind is not OpKind.F), default=self.iteration_ms)
+            last_forward = max((self.op_end[op] for op in ops if op.kind is OpKind.F), default=0.0)
+            warmup = cooldown = residual = 0.0
+            previous_end = 0.0
+            for op in (*ops, None):
+                begin = self.iteration_ms if op is None else self.op_start[op]
+                gap = begin - previous_end
+                if gap > 1e-12:
+                    if begin <= first_backward:
+                        warmup += gap
+                    elif previous_end >= last_forward:
+                        cooldown += gap
+                    else:
+                        residual += gap
+                if op is not None:
+                    previous_end = self.op_end[op]
+            result.append((warmup, cooldown, residual))
+        return tuple(result)
+
+    @property
+    def bubble_ratio(self) -> float:
+        total = self.iteration_ms * self.plan.num_devices
+        return sum(self.device_idle_ms) / total if total > 0 else 0.0
+
+    def bubble_split(self) -> tuple[float, float, float]:
+        """Total (warm-up, cool-down, residual) idle ms over all devices."""
+        return tuple(sum(b[i] for b in self.bubbles) for i in range(3))  # type: ignore[return-value]
+
+    # -- memory -------------------------------------------------------------------------------
+    @property
+    def peak_memory_bytes(self) -> tuple[float, ...]:
+        return tuple(s + a for s, a in zip(self.static_memory_bytes, self.peak_activation_bytes))
+
+    # -- critical path ------------------------------------------------------------------------
+    @cached_property
+    def critical_path(self) -> tuple[Op, ...]:
+        """Ops on the longest dependency chain that ends the iteration, first to last."""
+        if not self.op_end:
+            return ()
+        op: Op | None = max(self.op_end, key=lambda o: (self.op_end[o], -self.op_start[o]))
+        path = []
+        while op is not None:
+            path.append(op)
+            op = self._critical_pred.get(op)
+        return tuple(reversed(path))
+
+    # -- output -------------------------------------------------------------------------------
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome / Perfetto trace: one process per device, compute and link threads."""
+        events: list[dict[str, Any]] = []
+        for device in range(self.plan.num_devices):
+            events.append({"ph": "M", "name": "process_name", "pid": device, "args": {"name": f"device {device}"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": 0, "args": {"name": "compute"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": 1, "args": {"name": "send"}})
+        for device, ops in enumerate(self.plan.device_ops):
+            for op in ops:
+                events.append({
+                    "ph": "X", "pid": device, "tid": 0, "name": str(op), "cat": op.kind.value,
+                    "ts": self.op_start[op] * 1e3, "dur": (self.op_end[op] - self.op_start[op]) * 1e3,
+                    "args": {"stage": op.stage, "microbatch": op.microbatch},
+                })
+        for transfer in self.transfers:
+            events.append({
+                "ph": "X", "pid": transfer.src, "tid": 1, "name": f"{transfer.kind} {transfer.op}->{transfer.dst}",
+                "cat": "comm", "ts": transfer.start_ms * 1e3, "dur": (transfer.end_ms - transfer.start_ms) * 1e3,
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_trace(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+    def __str__(self) -> str:
+        lines = [
+            f"iteration {self.iteration_ms:.3f} ms, bubble ratio {self.bubble_ratio:.1%}, "
+            f"{self.plan.num_stages} stages on {self.plan.num_devices} devices, {self.plan.num_microbatches} microbatches",
+            f"{'device':>6} {'busy ms':>10} {'warm-up':>9} {'cool-down':>9} {'residual':>9} {'peak GiB':>9}",
+        ]
+        for device in range(self.plan.num_devices):
+            warmup, cooldown, residual = self.bubbles[device]
+            lines.append(
+                f"{device:>6} {self.device_busy_ms[device]:>10.3f} {warmup:>9.3f} {cooldown:>9.3f} {residual:>9.3f} "
+                f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
+            )
+        return "\n".join(lines)
+
+
+def simulate(
+    plan: PipelinePlan,
+    costs: CostTable,
+    cluster: ClusterSpec,
+    *,
+    blocking_sends: bool = False,
+    memory: MemoryModel = MemoryModel(),
+) -> SimResult:
+    """Simulate one training iteration of `plan`. Raises PlanError (with the device x step grid)
+    for a plan that cannot run: an op on the wrong device, a missing or repeated op, or a
+    dependency cycle."""
+    core = _run(plan, costs, cluster, blocking_sends, memory, record=True)
+    return core  # type: ignore[return-value]
+
+
+def iteration_time(
+    plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, *, blocking_sends: bool = False,
+    memory: MemoryModel = MemoryModel(),
+) -> tuple[float, tuple[float, ...]]:
+    """The tuner's fast path: (iteration ms, peak memory bytes per device), nothing recorded."""
+    return _run(plan, costs, cluster, blocking_sends, memory, record=False)  # type: ignore[return-value]
+
+
+def _run(
+    plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, blocking_sends: bool, memory: MemoryModel, record: bool
+) -> SimResult | tuple[float, tuple[float, ...]]:
+    if plan.num_devices > cluster.num_devices:
+        raise PlanError(f"plan uses {plan.num_devices} devices but the cluster has {cluster.num_devices}")
+    sc = stage_costs(plan, costs)
+    num_stages, num_micro, num_devices = plan.num_stages, plan.num_microbatches, plan.num_devices
+    stage_device = plan.placement
+    split = plan.split_backward()
+    per_kind = num_stages * num_micro
+    total = 3 * per_kind
+    # done[k]: end time of op k on its device; ready[k]: when op k's output is at its consumer.
+    done = [-1.0] * total
+    ready = [-1.0] * total
+    starts = [0.0] * total if record else None
+    pred: list[int] = [-1] * total if record else []
+    waiters: dict[int, list[int]] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    transfers: list[Transfer] = []
+    device_time = [0.0] * num_devices
+    pointer = [0] * num_devices
+    last_op = [-1] * num_devices
+    activation = [0.0] * num_devices
+    peak = [0.0] * num_devices
+    forward, backward_input, backward_full, weight = sc.forward, sc.backward_input, sc.backward_full, sc.weight
+    act_bytes, out_bytes = sc.activation, sc.output
+    keep_fraction = memory.weight_memory_fraction
+    latency_ms = cluster.latency_s * 1e3
+    device_ops = plan.device_ops
+    queue = list(range(num_devices - 1, -1, -1))
+    bandwidth_cache: dict[tuple[int, int], float] = {}
+
+    def fail(device: int, step: int, message: str) -> PlanError:
+        return PlanError(f"device {device} step {step}: {message}\n" + render_grid(device_ops, mark=(device, step)))
+
+    while queue:
+        device = queue.pop()
+        ops = device_ops[device]
+        index = pointer[device]
+        count = len(ops)
+        while index < count:
+            op = ops[index]
+            stage, micro, kind = op.stage, op.microbatch, op.kind
+            if not (0 <= stage < num_stages and 0 <= micro < num_micro):
+                raise fail(device, index, f"op {op} is outside stages 0..{num_stages - 1}, microbatches 0..{num_micro - 1}")
+            if stage_device[stage] != device:
+                raise fail(device, index, f"op {op} belongs to stage {stage}, placed on device {stage_device[stage]}")
+            base = stage * num_micro + micro
+            if kind is OpKind.F:
+                key = base
+                if stage > 0:
+                    dep = base - num_micro
+                    arrival = ready[dep]
+                    if arrival < 0:
+                        waiters.setdefault(dep, []).append(device)
+                        break
+                else:
+                    dep, arrival = -1, 0.0
+                duration = forward[stage]
+            elif kind is OpKind.B:
+                key = per_kind + base
+                own = done[base]
+                if own < 0:
+                    raise fail(device, index, f"{op} runs before its forward {stage}F{micro} on this device")
+                if stage < num_stages - 1:
+                    dep = key + num_micro
+                    arrival = ready[dep]
+                    if arrival < 0:
+                        waiters.setdefault(dep, []).append(device)
+                        break
+                    if own > arrival:
+                        arrival, dep = own, base
+                else:
+                    dep, arrival = base, own
+                duration = backward_input[stage] if (stage, micro) in split else backward_full[stage]
+            else:
+                key = 2 * per_kind + base
+                dep = per_kind + base
+                arrival = done[dep]
+                if arrival < 0:
+                    raise fail(device, index, f"{op} runs before its B {stage}B{micro} on this device")
+                duration = weight[stage]
+            if done[key] >= 0:
+                raise fail(device, index, f"op {op} appears twice")
+            begin = device_time[device]
+            if record:
+                pred[key] = last_op[device]
+                if arrival > begin:
+                    begin = arrival
+                    pred[key] = dep
+                starts[key] = begin  # type: ignore[index]
+            elif arrival > begin:
+                begin = arrival
+            finish = begin + duration
+            done[key] = finish
+            device_time[device] = finish
+            last_op[device] = key
+            # memory: allocate at F start, free at B end (all or all but W's share) and at W end
+            if kind is OpKind.F:
+                activation[device] += act_bytes[stage]
+                if activation[device] > peak[device]:
+                    peak[device] = activation[device]
+            elif kind is OpKind.B:
+                activation[device] -= act_bytes[stage] * ((1.0 - keep_fraction) if (stage, micro) in split else 1.0)
+            else:
+                activation[device] -= act_bytes[stage] * keep_fraction
+            # output transfer
+            if kind is OpKind.F and stage < num_stages - 1:
+                target = stage_device[stage + 1]
+                size = out_bytes[stage]
+            elif kind is OpKind.B and stage > 0:
+                target = stage_device[stage - 1]
+                size = out_bytes[stage - 1]
+            else:
+                target = -1
+            if target >= 0:
+                if target == device:
+                    ready[key] = finish
+                else:
+                    link = (device, target)
+                    bandwidth = bandwidth_cache.get(link)
+                    if bandwidth is None:
+                        bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3  # bytes per ms
+                    send_start = link_free.get(link, 0.0)
+                    if finish > send_start:
+                        send_start = finish
+                    arrive = send_start + latency_ms + size / bandwidth
+                    link_free[link] = arrive
+                    ready[key] = arrive
+                    if blocking_sends:
+                        device_time[device] = arrive
+                    if record:
+                        transfers.append(Transfer("act" if kind is OpKind.F else "grad", device, target, send_start, arrive, op))
+                woken = waiters.pop(key, None)
+                if woken:
+                    queue.extend(woken)
+            index += 1
+        pointer[device] = index
+
+    if any(pointer[d] < len(device_ops[d]) for d in range(num_devices)):
+        raise _deadlock(plan, pointer)
+    if min(done[: 2 * per_kind]) < 0:
+        missing = [str(op) for op in _missing_ops(plan, done, per_kind)]
+        raise PlanError(
+            f"plan is missing {len(missing)} op(s): {' '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}; "
+            "every stage and microbatch needs one F and one B\n" + render_grid(device_ops)
+        )
+    iteration = max(device_time) if device_time else 0.0
+    static = [0.0] * num_devices
+    for stage in range(num_stages):
+        static[stage_device[stage]] += sc.params[stage] * memory.state_bytes_per_param_byte
+    if not record:
+        return iteration, tuple(s + a for s, a in zip(static, peak))
+
+    def op_of(key: int) -> Op:
+        kind_index, rest = divmod(key, per_kind)
+        stage, micro = divmod(rest, num_micro)
+        return Op(stage, _KINDS[kind_index], micro)
+
+    op_start: dict[Op, float] = {}
+    op_end: dict[Op, float] = {}
+    critical: dict[Op, Op | None] = {}
+    for ops in device_ops:
+        for op in ops:
+            key = _KIND_INDEX[op.kind] * per_kind + op.stage * num_micro + op.microbatch
+            op_start[op] = starts[key]  # type: ignore[index]
+            op_end[op] = done[key]
+            critical[op] = op_of(pred[key]) if pred[key] >= 0 else None
+    return SimResult(
+        plan=plan, cluster=cluster, iteration_ms=iteration, op_start=op_start, op_end=op_end,
+        transfers=tuple(transfers), static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak),
+        _critical_pred=critical,
+    )
+
+
+def _missing_ops(plan: PipelinePlan, done: list[float], per_kind: int) -> list[Op]:
+    missing = []
+    for kind_index, kind in enumerate((OpKind.F, OpKind.B)):
+        for stage in range(plan.num_stages):
+            for micro in range(plan.num_microbatches):
+                if done[kind_index * per_kind + stage * plan.num_microbatches + micro] < 0:
+                    missing.append(Op(stage, kind, micro))
+    return missing
+
+
+def _deadlock(plan: PipelinePlan, pointer: list[int]) -> PlanError:
+    present = {op for ops in plan.device_ops for op in ops}
+    stuck = []
+    for device, ops in enumerate(plan.device_ops):
+        if pointer[device] < len(ops):
+            op = ops[pointer[device]]
+            if op.kind is OpKind.F:
+                need = Op(op.stage - 1, OpKind.F, op.microbatch)
+            else:
+                need = Op(op.stage + 1, OpKind.B, op.microbatch)
+            reason = "which no device runs" if need not in present else "which never runs (dependency cycle)"
+            stuck.append((device, pointer[device], op, need, reason))
+    device, step, op, need, reason = stuck[0]
+    others = "; ".join(f"device {d} waits at {o} for {n}" for d, _, o, n, _ in stuck[1:])
+    return PlanError(
+        f"plan deadlocks: device {device} step {step}: {op} waits for {need}, {reason}"
+        + (f"; {others}" if others else "")
+        + "\n" + render_grid(plan.device_ops, mark=(device, step))
+    )
