@@ -93,6 +93,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"{where}: 'preset' is not a field")
         if "num_devices" not in data:
             raise ClusterSpecError(f"{where}: missing required field 'num_devices'")
+        data = {key: _coerce(key, value) for key, value in data.items()}
         try:
             return cls(**data)
         except TypeError as exc:
@@ -155,6 +156,18 @@ class ClusterSpec:
             base["latency_s"] = base["latency_s"] * 2
         suffix = f"-{fabric}" if kind != "cpu" and match.group(3) else ""
         return cls(num_devices=devices, name=f"{kind}x{devices}{suffix}", **base)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """File values to field types: YAML reads `1.0e10` as a string, JSON writes 8.0 for 8."""
+    if key in ("num_devices", "devices_per_node") and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if key not in ("backend", "name", "num_devices", "devices_per_node") and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _is_number(value: object) -> bool:

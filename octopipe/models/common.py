@@ -1,6 +1,6 @@
 """Building blocks shared by the reference models: norms, rotary embeddings, attention, MLPs.
 
-Consumes nothing from the rest of OctoPipe; produces plain `nn.Module`s that trace with
+Depends only on torch and `octopipe.errors`; produces plain `nn.Module`s that trace with
 `torch.fx.symbolic_trace` and run on the meta device. Rules every module here follows, because
 the compiler depends on them:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from octopipe.errors import OctopipeError
 
 INIT_STD = 0.02
+
+_Config = TypeVar("_Config", bound="ModelConfig")
 
 
 class ModelConfigError(OctopipeError, ValueError):
@@ -45,21 +47,19 @@ class ModelConfig:
     family: ClassVar[str] = ""
 
     @classmethod
-    def tiny(cls) -> Self:
+    def tiny(cls: type[_Config]) -> _Config:
         raise NotImplementedError
 
     @classmethod
-    def paper(cls) -> Self:
+    def paper(cls: type[_Config]) -> _Config:
         raise NotImplementedError
 
-    def replace(self, **overrides: Any) -> Self:
+    def replace(self: _Config, **overrides: Any) -> _Config:
         """A copy with `overrides` applied; unknown field names raise ModelConfigError."""
         names = {field.name for field in dataclasses.fields(self)}  # type: ignore[arg-type]
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise ModelConfigError(
-                f"{self.family} config has no field(s) {unknown}; valid fields: {sorted(names)}"
-            )
+            raise ModelConfigError(f"{self.family} config has no field(s) {unknown}; valid fields: {sorted(names)}")
         return dataclasses.replace(self, **overrides)  # type: ignore[type-var]
 
 
@@ -67,6 +67,22 @@ def require(condition: bool, family: str, message: str) -> None:
     """Config validation: raise ModelConfigError naming the family when `condition` is false."""
     if not condition:
         raise ModelConfigError(f"{family} config: {message}")
+
+
+def check_decoder_config(config: Any, rope: bool = True) -> None:
+    """The checks every decoder config shares: positive sizes, GQA head grouping, RoPE's even
+    head_dim."""
+    family = config.family
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_seq_len"):
+        value = getattr(config, field)
+        require(value >= 1, family, f"{field}={value} must be >= 1")
+    require(
+        config.num_heads % config.num_kv_heads == 0,
+        family,
+        f"num_heads={config.num_heads} must be a multiple of num_kv_heads={config.num_kv_heads}",
+    )
+    if rope:
+        require(config.head_dim % 2 == 0, family, f"head_dim={config.head_dim} must be even (RoPE)")
 
 
 # ---------------------------------------------------------------- initialization
@@ -241,9 +257,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(kv_input_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(kv_input_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.rotary = (
-            RotaryEmbedding(head_dim, max_seq_len, rope_theta) if rope_theta is not None else None
-        )
+        self.rotary = RotaryEmbedding(head_dim, max_seq_len, rope_theta) if rope_theta is not None else None
 
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         source = x if context is None else context
@@ -311,9 +325,7 @@ class DecoderLM(nn.Module):
     logit soft-cap) lives inside `embed` / `head` so the top level stays a plain chain.
     """
 
-    def __init__(
-        self, embed: nn.Embedding, layers: list[nn.Module], norm: nn.Module, head: nn.Linear
-    ) -> None:
+    def __init__(self, embed: nn.Embedding, layers: list[nn.Module], norm: nn.Module, head: nn.Linear) -> None:
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleList(layers)
@@ -340,9 +352,5 @@ def llama_attention_block(
 ) -> TransformerBlock:
     """The LLaMA block (RMSNorm, causal RoPE GQA attention, the given MLP), shared by the
     llama, deepseek and multimodal decoders."""
-    attn = Attention(
-        hidden_size, num_heads, num_kv_heads, head_dim, max_seq_len=max_seq_len, rope_theta=rope_theta
-    )
-    return TransformerBlock(
-        attn, mlp, nn.RMSNorm(hidden_size, eps=norm_eps), nn.RMSNorm(hidden_size, eps=norm_eps)
-    )
+    attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim, max_seq_len=max_seq_len, rope_theta=rope_theta)
+    return TransformerBlock(attn, mlp, nn.RMSNorm(hidden_size, eps=norm_eps), nn.RMSNorm(hidden_size, eps=norm_eps))

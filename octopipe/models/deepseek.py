@@ -31,6 +31,7 @@ from octopipe.models.common import (
     DecoderLM,
     GatedMLP,
     ModelConfig,
+    check_decoder_config,
     init_weights,
     llama_attention_block,
     require,
@@ -58,27 +59,54 @@ class DeepSeekConfig(ModelConfig):
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        require(self.num_heads % self.num_kv_heads == 0, self.family,
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        require(self.head_dim % 2 == 0, self.family, f"head_dim={self.head_dim} must be even (RoPE)")
-        require(0 <= self.num_dense_layers <= self.num_layers, self.family,
-                f"num_dense_layers={self.num_dense_layers} must be in 0..num_layers={self.num_layers}")
-        require(1 <= self.top_k <= self.num_experts, self.family,
-                f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        check_decoder_config(self)
+        require(
+            0 <= self.num_dense_layers <= self.num_layers,
+            self.family,
+            f"num_dense_layers={self.num_dense_layers} must be in 0..num_layers={self.num_layers}",
+        )
+        require(
+            1 <= self.top_k <= self.num_experts,
+            self.family,
+            f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}",
+        )
         require(self.num_shared_experts >= 0, self.family, "num_shared_experts must be >= 0")
 
     @classmethod
     def tiny(cls) -> DeepSeekConfig:
-        return cls(vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=4,
-                   head_dim=8, intermediate_size=96, num_dense_layers=1, num_experts=4, top_k=2,
-                   num_shared_experts=1, expert_hidden_size=24, max_seq_len=32)
+        return cls(
+            vocab_size=256,
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=8,
+            intermediate_size=96,
+            num_dense_layers=1,
+            num_experts=4,
+            top_k=2,
+            num_shared_experts=1,
+            expert_hidden_size=24,
+            max_seq_len=32,
+        )
 
     @classmethod
     def paper(cls) -> DeepSeekConfig:
-        return cls(vocab_size=102400, hidden_size=2048, num_layers=28, num_heads=16,
-                   num_kv_heads=16, head_dim=128, intermediate_size=10944, num_dense_layers=1,
-                   num_experts=64, top_k=6, num_shared_experts=2, expert_hidden_size=1408,
-                   max_seq_len=4096)
+        return cls(
+            vocab_size=102400,
+            hidden_size=2048,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            intermediate_size=10944,
+            num_dense_layers=1,
+            num_experts=64,
+            top_k=6,
+            num_shared_experts=2,
+            expert_hidden_size=1408,
+            max_seq_len=4096,
+        )
 
 
 class MoE(nn.Module):
@@ -90,7 +118,11 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, num_shared_experts: int,
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_shared_experts: int,
         expert_hidden_size: int,
     ) -> None:
         super().__init__()
@@ -142,14 +174,23 @@ class DeepSeekModel(DecoderLM):
             if index < config.num_dense_layers:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size, act="silu")
             else:
-                mlp = MoE(config.hidden_size, config.num_experts, config.top_k,
-                          config.num_shared_experts, config.expert_hidden_size)
+                mlp = MoE(
+                    config.hidden_size,
+                    config.num_experts,
+                    config.top_k,
+                    config.num_shared_experts,
+                    config.expert_hidden_size,
+                )
             layers.append(
                 llama_attention_block(
-                    hidden_size=config.hidden_size, num_heads=config.num_heads,
-                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                    max_seq_len=config.max_seq_len, rope_theta=config.rope_theta,
-                    norm_eps=config.norm_eps, mlp=mlp,
+                    hidden_size=config.hidden_size,
+                    num_heads=config.num_heads,
+                    num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim,
+                    max_seq_len=config.max_seq_len,
+                    rope_theta=config.rope_theta,
+                    norm_eps=config.norm_eps,
+                    mlp=mlp,
                 )
             )
         super().__init__(

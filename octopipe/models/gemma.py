@@ -29,6 +29,7 @@ from octopipe.models.common import (
     GatedMLP,
     ModelConfig,
     TransformerBlock,
+    check_decoder_config,
     init_weights,
     require,
 )
@@ -52,23 +53,38 @@ class GemmaConfig(ModelConfig):
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        require(self.num_heads % self.num_kv_heads == 0, self.family,
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        require(self.head_dim % 2 == 0, self.family, f"head_dim={self.head_dim} must be even (RoPE)")
+        check_decoder_config(self)
         require(self.sliding_window >= 1, self.family, f"sliding_window={self.sliding_window} < 1")
-        require(self.num_layers >= 1, self.family, f"num_layers={self.num_layers} must be >= 1")
         require(self.final_logit_softcap > 0, self.family, "final_logit_softcap must be > 0")
 
     @classmethod
     def tiny(cls) -> GemmaConfig:
         # A vocabulary far larger than the other tiny models keeps it head-heavy like the real one.
-        return cls(vocab_size=1024, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
-                   head_dim=8, intermediate_size=64, max_seq_len=32, sliding_window=8)
+        return cls(
+            vocab_size=1024,
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            max_seq_len=32,
+            sliding_window=8,
+        )
 
     @classmethod
     def paper(cls) -> GemmaConfig:
-        return cls(vocab_size=256000, hidden_size=2304, num_layers=26, num_heads=8, num_kv_heads=4,
-                   head_dim=256, intermediate_size=9216, max_seq_len=4096, sliding_window=2048)
+        return cls(
+            vocab_size=256000,
+            hidden_size=2304,
+            num_layers=26,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=256,
+            intermediate_size=9216,
+            max_seq_len=4096,
+            sliding_window=2048,
+        )
 
     def is_sliding(self, layer_index: int) -> bool:
         """Gemma-2 alternates: layer 0 local (sliding window), layer 1 global, and so on."""
@@ -109,12 +125,19 @@ class GemmaModel(DecoderLM):
         layers = [
             TransformerBlock(
                 attn=Attention(
-                    hidden, config.num_heads, config.num_kv_heads, config.head_dim,
-                    max_seq_len=config.max_seq_len, rope_theta=config.rope_theta,
+                    hidden,
+                    config.num_heads,
+                    config.num_kv_heads,
+                    config.head_dim,
+                    max_seq_len=config.max_seq_len,
+                    rope_theta=config.rope_theta,
                     sliding_window=config.sliding_window if config.is_sliding(index) else None,
                 ),
                 mlp=GatedMLP(hidden, config.intermediate_size, act="gelu_tanh"),
-                attn_norm=norm(), mlp_norm=norm(), post_attn_norm=norm(), post_mlp_norm=norm(),
+                attn_norm=norm(),
+                mlp_norm=norm(),
+                post_attn_norm=norm(),
+                post_mlp_norm=norm(),
             )
             for index in range(config.num_layers)
         ]

@@ -21,9 +21,9 @@ from octopipe.models.common import (
     DecoderLM,
     GatedMLP,
     ModelConfig,
+    check_decoder_config,
     init_weights,
     llama_attention_block,
-    require,
 )
 
 
@@ -43,20 +43,33 @@ class LlamaConfig(ModelConfig):
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        require(self.num_heads % self.num_kv_heads == 0, self.family,
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        require(self.head_dim % 2 == 0, self.family, f"head_dim={self.head_dim} must be even (RoPE)")
-        require(self.num_layers >= 1, self.family, f"num_layers={self.num_layers} must be >= 1")
+        check_decoder_config(self)
 
     @classmethod
     def tiny(cls) -> LlamaConfig:
-        return cls(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                   head_dim=16, intermediate_size=128, max_seq_len=32)
+        return cls(
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            max_seq_len=32,
+        )
 
     @classmethod
     def paper(cls) -> LlamaConfig:
-        return cls(vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40,
-                   head_dim=128, intermediate_size=13824, max_seq_len=4096)
+        return cls(
+            vocab_size=32000,
+            hidden_size=5120,
+            num_layers=40,
+            num_heads=40,
+            num_kv_heads=40,
+            head_dim=128,
+            intermediate_size=13824,
+            max_seq_len=4096,
+        )
 
 
 class LlamaModel(DecoderLM):

@@ -33,6 +33,7 @@ from octopipe.models.common import (
     GatedMLP,
     ModelConfig,
     TransformerBlock,
+    check_decoder_config,
     init_weights,
     llama_attention_block,
     require,
@@ -66,16 +67,24 @@ class MultimodalConfig(ModelConfig):
     vision_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        require(self.image_size % self.patch_size == 0, self.family,
-                f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
-        require(self.vision_hidden_size % self.vision_num_heads == 0, self.family,
-                f"vision_hidden_size={self.vision_hidden_size} must be a multiple of "
-                f"vision_num_heads={self.vision_num_heads}")
-        require(self.num_heads % self.num_kv_heads == 0, self.family,
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        require(1 <= self.cross_attention_every <= self.num_layers, self.family,
-                f"cross_attention_every={self.cross_attention_every} must be in 1..num_layers="
-                f"{self.num_layers} so at least one block cross-attends")
+        require(
+            self.image_size % self.patch_size == 0,
+            self.family,
+            f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}",
+        )
+        require(
+            self.vision_hidden_size % self.vision_num_heads == 0,
+            self.family,
+            f"vision_hidden_size={self.vision_hidden_size} must be a multiple of "
+            f"vision_num_heads={self.vision_num_heads}",
+        )
+        check_decoder_config(self)
+        require(
+            1 <= self.cross_attention_every <= self.num_layers,
+            self.family,
+            f"cross_attention_every={self.cross_attention_every} must be in 1..num_layers="
+            f"{self.num_layers} so at least one block cross-attends",
+        )
 
     @property
     def num_patches(self) -> int:
@@ -86,17 +95,43 @@ class MultimodalConfig(ModelConfig):
 
     @classmethod
     def tiny(cls) -> MultimodalConfig:
-        return cls(image_size=16, patch_size=4, vision_hidden_size=32, vision_num_layers=2,
-                   vision_num_heads=4, vision_intermediate_size=64, vocab_size=256, hidden_size=32,
-                   num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                   cross_attention_every=2, max_seq_len=32)
+        return cls(
+            image_size=16,
+            patch_size=4,
+            vision_hidden_size=32,
+            vision_num_layers=2,
+            vision_num_heads=4,
+            vision_intermediate_size=64,
+            vocab_size=256,
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            cross_attention_every=2,
+            max_seq_len=32,
+        )
 
     @classmethod
     def paper(cls) -> MultimodalConfig:
-        return cls(image_size=336, patch_size=14, vision_hidden_size=1024, vision_num_layers=24,
-                   vision_num_heads=16, vision_intermediate_size=4096, vocab_size=32000,
-                   hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-                   intermediate_size=11008, cross_attention_every=4, max_seq_len=4096)
+        return cls(
+            image_size=336,
+            patch_size=14,
+            vision_hidden_size=1024,
+            vision_num_layers=24,
+            vision_num_heads=16,
+            vision_intermediate_size=4096,
+            vocab_size=32000,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            head_dim=128,
+            intermediate_size=11008,
+            cross_attention_every=4,
+            max_seq_len=4096,
+        )
 
 
 class PatchEmbedding(nn.Module):
@@ -120,13 +155,18 @@ class VisionEncoder(nn.Module):
     def __init__(self, config: MultimodalConfig) -> None:
         super().__init__()
         hidden = config.vision_hidden_size
-        self.patch_embed = PatchEmbedding(config.num_channels, hidden, config.patch_size,
-                                          config.num_patches)
+        self.patch_embed = PatchEmbedding(config.num_channels, hidden, config.patch_size, config.num_patches)
         self.layers = nn.ModuleList(
             TransformerBlock(
-                attn=Attention(hidden, config.vision_num_heads, config.vision_num_heads,
-                               hidden // config.vision_num_heads, max_seq_len=config.num_patches,
-                               causal=False, bias=True),
+                attn=Attention(
+                    hidden,
+                    config.vision_num_heads,
+                    config.vision_num_heads,
+                    hidden // config.vision_num_heads,
+                    max_seq_len=config.num_patches,
+                    causal=False,
+                    bias=True,
+                ),
                 mlp=MLP(hidden, config.vision_intermediate_size, act="gelu", bias=True),
                 attn_norm=nn.LayerNorm(hidden, eps=config.vision_norm_eps),
                 mlp_norm=nn.LayerNorm(hidden, eps=config.vision_norm_eps),
@@ -149,8 +189,15 @@ class CrossAttentionBlock(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.attn_norm = nn.RMSNorm(hidden, eps=config.norm_eps)
-        self.attn = Attention(hidden, config.num_heads, config.num_kv_heads, config.head_dim,
-                              max_seq_len=config.max_seq_len, causal=False, context_size=hidden)
+        self.attn = Attention(
+            hidden,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            max_seq_len=config.max_seq_len,
+            causal=False,
+            context_size=hidden,
+        )
         self.mlp_norm = nn.RMSNorm(hidden, eps=config.norm_eps)
         self.mlp = GatedMLP(hidden, config.intermediate_size, act="silu")
 
@@ -167,16 +214,19 @@ class MultimodalModel(nn.Module):
         hidden = config.hidden_size
         self.config = config
         self.vision = VisionEncoder(config)
-        self.projector = MLP(config.vision_hidden_size, hidden, act="gelu", bias=True,
-                             output_size=hidden)
+        self.projector = MLP(config.vision_hidden_size, hidden, act="gelu", bias=True, output_size=hidden)
         self.embed = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(
             CrossAttentionBlock(config)
             if config.is_cross_attention(index)
             else llama_attention_block(
-                hidden_size=hidden, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim, max_seq_len=config.max_seq_len,
-                rope_theta=config.rope_theta, norm_eps=config.norm_eps,
+                hidden_size=hidden,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                max_seq_len=config.max_seq_len,
+                rope_theta=config.rope_theta,
+                norm_eps=config.norm_eps,
                 mlp=GatedMLP(hidden, config.intermediate_size, act="silu"),
             )
             for index in range(config.num_layers)

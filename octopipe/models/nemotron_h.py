@@ -30,6 +30,7 @@ from octopipe.models.common import (
     Attention,
     DecoderLM,
     ModelConfig,
+    check_decoder_config,
     init_weights,
     require,
 )
@@ -61,13 +62,17 @@ class NemotronHConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
-        require(not unknown, self.family,
-                f"layer_pattern has unknown layer kinds {unknown}; use M (Mamba), - (MLP), * (attention)")
-        require(len(self.layer_pattern) >= 1, self.family, "layer_pattern is empty")
-        require(self.num_heads % self.num_kv_heads == 0, self.family,
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        require(self.mamba_num_heads % self.n_groups == 0, self.family,
-                f"mamba_num_heads={self.mamba_num_heads} must be a multiple of n_groups={self.n_groups}")
+        require(
+            not unknown,
+            self.family,
+            f"layer_pattern has unknown layer kinds {unknown}; use M (Mamba), - (MLP), * (attention)",
+        )
+        check_decoder_config(self, rope=False)
+        require(
+            self.mamba_num_heads % self.n_groups == 0,
+            self.family,
+            f"mamba_num_heads={self.mamba_num_heads} must be a multiple of n_groups={self.n_groups}",
+        )
 
     @property
     def num_layers(self) -> int:
@@ -84,17 +89,37 @@ class NemotronHConfig(ModelConfig):
 
     @classmethod
     def tiny(cls) -> NemotronHConfig:
-        return cls(vocab_size=256, hidden_size=32, layer_pattern="M-M*-MM-", num_heads=4,
-                   num_kv_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4,
-                   mamba_head_dim=16, d_state=8, n_groups=2, max_seq_len=32)
+        return cls(
+            vocab_size=256,
+            hidden_size=32,
+            layer_pattern="M-M*-MM-",
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            intermediate_size=64,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            d_state=8,
+            n_groups=2,
+            max_seq_len=32,
+        )
 
     @classmethod
     def paper(cls) -> NemotronHConfig:
-        return cls(vocab_size=131072, hidden_size=4480,
-                   layer_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
-                   num_heads=40, num_kv_heads=8, head_dim=128, intermediate_size=15680,
-                   mamba_num_heads=128, mamba_head_dim=80, d_state=128, n_groups=8,
-                   max_seq_len=4096)
+        return cls(
+            vocab_size=131072,
+            hidden_size=4480,
+            layer_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+            num_heads=40,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=15680,
+            mamba_num_heads=128,
+            mamba_head_dim=80,
+            d_state=128,
+            n_groups=8,
+            max_seq_len=4096,
+        )
 
 
 def segment_sum(a: Tensor) -> Tensor:
@@ -146,8 +171,14 @@ class Mamba2Mixer(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, head_dim: int, d_state: int, n_groups: int,
-        d_conv: int, norm_eps: float,
+        self,
+        d_model: int,
+        num_heads: int,
+        head_dim: int,
+        d_state: int,
+        n_groups: int,
+        d_conv: int,
+        norm_eps: float,
     ) -> None:
         super().__init__()
         self.d_model = d_model
@@ -160,8 +191,9 @@ class Mamba2Mixer(nn.Module):
         self.expand = self.d_inner / d_model
         self.conv_dim = self.d_inner + 2 * n_groups * d_state
         self.in_proj = nn.Linear(d_model, self.d_inner + self.conv_dim + num_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim,
-                                padding=d_conv - 1, bias=True)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1, bias=True
+        )
         # Mamba's init: decay rates A in [1, 16], step sizes dt in [1e-3, 1e-1] (log-uniform).
         self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1.0, 16.0)))
         dt = torch.exp(torch.empty(num_heads).uniform_(math.log(1e-3), math.log(1e-1)))
@@ -205,13 +237,26 @@ def hybrid_block(config: NemotronHConfig, symbol: str) -> HybridBlock:
     kind = LAYER_KINDS[symbol]
     mixer: nn.Module
     if kind == "mamba":
-        mixer = Mamba2Mixer(config.hidden_size, config.mamba_num_heads, config.mamba_head_dim,
-                            config.d_state, config.n_groups, config.d_conv, config.norm_eps)
+        mixer = Mamba2Mixer(
+            config.hidden_size,
+            config.mamba_num_heads,
+            config.mamba_head_dim,
+            config.d_state,
+            config.n_groups,
+            config.d_conv,
+            config.norm_eps,
+        )
     elif kind == "mlp":
         mixer = MLP(config.hidden_size, config.intermediate_size, act="relu2")
     else:
-        mixer = Attention(config.hidden_size, config.num_heads, config.num_kv_heads,
-                          config.head_dim, max_seq_len=config.max_seq_len, rope_theta=None)
+        mixer = Attention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            max_seq_len=config.max_seq_len,
+            rope_theta=None,
+        )
     return HybridBlock(kind, mixer, nn.RMSNorm(config.hidden_size, eps=config.norm_eps))
 
 

@@ -1,0 +1,165 @@
+"""The simulator: timing rules, transfers and links, memory, bubbles, errors, trace."""
+
+import json
+
+import pytest
+
+from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
+from octopipe.ir.plan import B, F, OpKind, W
+from octopipe.simulator import MemoryModel, iteration_time, simulate
+
+FREE = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
+
+
+def table(n, forward=1.0, backward=2.0, weight=None, activation=0, output=0, params=0):
+    return CostTable([
+        LayerCost(f"l{i}", forward_ms=forward, backward_ms=backward, backward_weight_ms=weight,
+                  activation_bytes=activation, output_bytes=output, param_bytes=params)
+        for i in range(n)
+    ])
+
+
+def plan_of(text):
+    return PipelinePlan.parse(text)
+
+
+TWO_STAGE = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+device 0: 0F0 0F1 0B0 0B1
+device 1: 1F0 1B0 1F1 1B1
+"""
+
+
+def test_dependencies_and_device_order_set_start_times():
+    result = simulate(plan_of(TWO_STAGE), table(2), FREE)
+    start = {str(op): t for op, t in result.op_start.items()}
+    assert start == {"0F0": 0, "0F1": 1, "1F0": 1, "1B0": 2, "1F1": 4, "0B0": 4, "1B1": 5, "0B1": 7}
+    assert result.iteration_ms == 9
+    assert result.device_busy_ms == (6, 6)
+    assert result.bubble_ratio == pytest.approx(6 / 18)
+    for device, (warmup, cooldown, residual) in enumerate(result.bubbles):
+        assert warmup + cooldown + residual == pytest.approx(result.device_idle_ms[device])
+    assert result.bubbles[1] == (1, 2, 0)  # waits for 0F0; after 1F1 ends at 5, idles 7..9
+    assert iteration_time(plan_of(TWO_STAGE), table(2), FREE)[0] == result.iteration_ms
+
+
+def test_transfer_is_latency_plus_bytes_over_bandwidth_and_overlaps_compute():
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=1e-3)  # 1 MB = 1 ms, +1 ms latency
+    result = simulate(plan_of(TWO_STAGE), table(2, output=1_000_000), cluster)
+    start = {str(op): t for op, t in result.op_start.items()}
+    assert start["1F0"] == pytest.approx(1 + 2)  # 0F0 ends at 1, then 2 ms on the wire
+    assert start["0F1"] == 1  # the sender does not wait for its send
+    assert len(result.transfers) == 4
+    blocking = simulate(plan_of(TWO_STAGE), table(2, output=1_000_000), cluster, blocking_sends=True)
+    assert {str(op): t for op, t in blocking.op_start.items()}["0F1"] == pytest.approx(3)
+    assert blocking.iteration_ms > result.iteration_ms
+
+
+def test_one_link_carries_one_transfer_at_a_time():
+    text = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+device 0: 0F0 0F1 0B0 0B1
+device 1: 1F0 1F1 1B0 1B1
+"""
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=0.0)
+    costs = CostTable([LayerCost("a", forward_ms=0.1, backward_ms=1.0, output_bytes=5_000_000),
+                       LayerCost("b", forward_ms=1.0, backward_ms=1.0, output_bytes=0)])
+    result = simulate(plan_of(text), costs, cluster)
+    acts = [t for t in result.transfers if t.kind == "act"]
+    assert acts[0].start_ms == pytest.approx(0.1) and acts[0].end_ms == pytest.approx(5.1)
+    assert acts[1].start_ms == pytest.approx(5.1)  # queued behind the first, though 0F1 ended at 0.2
+    assert result.op_start[F(1, 1)] == pytest.approx(10.1)
+
+
+def test_same_device_hand_off_is_free():
+    text = """plan devices=1 microbatches=1 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=0
+device 0: 0F0 1F0 1B0 0B0
+"""
+    cluster = ClusterSpec(num_devices=1, intra_node_bandwidth=1.0, latency_s=0.5)
+    result = simulate(plan_of(text), table(2, output=10**9), cluster)
+    assert result.iteration_ms == 6 and result.transfers == ()
+
+
+def test_split_backward_uses_input_gradient_time_and_w_runs_later():
+    text = """plan devices=1 microbatches=1 stages=1
+stage 0 layers=0:1 device=0
+device 0: 0F0 0B0 0W0
+"""
+    result = simulate(plan_of(text), table(1, forward=1, backward=3, weight=1), FREE)
+    assert result.op_end[B(0, 0)] - result.op_start[B(0, 0)] == 2
+    assert result.op_end[W(0, 0)] == 4
+
+
+def test_memory_activations_live_from_forward_to_backward_and_weight():
+    text = """plan devices=1 microbatches=3 stages=1
+stage 0 layers=0:1 device=0
+device 0: 0F0 0F1 0B0 0F2 0B1 0W1 0B2 0W0 0W2
+"""
+    memory = MemoryModel(state_bytes_per_param_byte=4.0, weight_memory_fraction=0.5)
+    result = simulate(plan_of(text), table(1, activation=100, params=10), FREE, memory=memory)
+    # 0F0 0F1 -> 200; 0B0 (full backward: no 0W0? it has one) keeps 50 -> 150; 0F2 -> 250 peak
+    assert result.peak_activation_bytes == (250,)
+    assert result.static_memory_bytes == (40,)
+    assert result.peak_memory_bytes == (290,)
+
+
+def test_deadlock_names_the_waiting_ops_and_marks_the_grid():
+    text = """plan devices=2 microbatches=1 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=0
+device 0: 0F0 1F0 0B0 1B0
+device 1:
+"""
+    with pytest.raises(PlanError, match="runs before its forward|deadlocks"):
+        simulate(plan_of(text), table(2), FREE)
+    cycle = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+device 0: 0F0 0B0 0F1 0B1
+device 1: 1F1 1F0 1B0 1B1
+"""
+    with pytest.raises(PlanError) as info:
+        simulate(plan_of(cycle), table(2), FREE)
+    message = str(info.value)
+    assert "deadlocks" in message and "0B0 waits for 1B0" in message and "<-- ERROR HERE" in message
+
+
+def test_wrong_device_missing_and_duplicate_ops_are_plan_errors():
+    head = "plan devices=2 microbatches=1 stages=2\nstage 0 layers=0:1 device=0\nstage 1 layers=1:2 device=1\n"
+    with pytest.raises(PlanError, match="belongs to stage 1, placed on device 1"):
+        simulate(plan_of(head + "device 0: 0F0 1F0 0B0\ndevice 1: 1B0\n"), table(2), FREE)
+    with pytest.raises(PlanError, match="missing 1 op"):
+        simulate(plan_of(head + "device 0: 0F0\ndevice 1: 1F0 1B0\n"), table(2), FREE)
+    with pytest.raises(PlanError, match="appears twice"):
+        simulate(plan_of(head + "device 0: 0F0 0B0 0B0\ndevice 1: 1F0 1B0\n"), table(2), FREE)
+    with pytest.raises(PlanError, match="cost table .* has 3"):
+        simulate(plan_of(head + "device 0: 0F0 0B0\ndevice 1: 1F0 1B0\n"), table(3), FREE)
+
+
+def test_critical_path_is_a_dependency_chain_to_the_end():
+    result = simulate(plan_of(TWO_STAGE), table(2), FREE)
+    path = result.critical_path
+    assert result.op_end[path[-1]] == result.iteration_ms
+    assert result.op_start[path[0]] == 0
+    for earlier, later in zip(path, path[1:]):
+        assert result.op_end[earlier] <= result.op_start[later] + 1e-9
+    assert sum(result.op_end[op] - result.op_start[op] for op in path) == pytest.approx(result.iteration_ms)
+
+
+def test_chrome_trace_has_every_op_and_transfer(tmp_path):
+    cluster = ClusterSpec(num_devices=2)
+    result = simulate(plan_of(TWO_STAGE), table(2, output=1000), cluster)
+    path = tmp_path / "trace.json"
+    result.save_trace(path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["cat"] in ("F", "B", "W") for e in events) == 8
+    assert sum(e["cat"] == "comm" for e in events) == 4
+    assert "bubble ratio" in str(result)
+
+
+def test_op_kinds_cover_f_b_w():
+    assert [k.value for k in OpKind] == ["F", "B", "W"]
