@@ -1,0 +1,216 @@
+"""The pass pipelines behind the public API: `plan` (cost table -> plan + report) and `compile`
+(model -> per-rank stage modules and programs). Each is one readable function; the passes they
+run are in `passes/`, the search in `tuner.py` and `solver.py`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from octopipe import schedules
+from octopipe.cluster import ClusterSpec
+from octopipe.errors import InfeasibleError, OctopipeError, PlanError
+from octopipe.ir.costs import CostTable
+from octopipe.ir.plan import B, F, PipelinePlan
+from octopipe.report import PlanReport, PlanRow
+from octopipe.simulator import MemoryModel, SimResult, simulate
+from octopipe.solver import balance_bound, refine_order
+from octopipe.tuner import tune
+
+GiB = 2**30
+
+
+@dataclass
+class PlanResult:
+    plan: PipelinePlan
+    report: PlanReport
+    simulation: SimResult
+
+    def __str__(self) -> str:
+        return str(self.report)
+
+
+def plan(
+    costs: CostTable,
+    cluster: ClusterSpec,
+    num_microbatches: int,
+    *,
+    num_devices: int | None = None,
+    time_limit_s: float = 30.0,
+    memory_limit_bytes: float | None = None,
+    activation_limit: float | str | None = None,
+    memory: MemoryModel = MemoryModel(),
+    solver: bool = True,
+    seed: int = 0,
+    quiet: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Jointly choose partition, placement and op order for `costs` on `cluster`.
+
+    memory_limit_bytes: per device, weights + gradients + optimizer state + activations (default:
+    the cluster's device memory). activation_limit: a per-device cap on activation memory alone,
+    in bytes, or "1f1b" for the busiest device of the 1F1B baselines (OctoPipe then never holds
+    more activations than a 1F1B user does). time_limit_s bounds the whole search; the best valid
+    plan found is returned when it runs out, and the report says the search was cut short.
+    Progress goes to stderr unless `quiet` (or to `progress` when given)."""
+    started = time.perf_counter()
+    p = cluster.num_devices if num_devices is None else num_devices
+    _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
+    say = progress if progress is not None else (None if quiet else _stderr)
+    memory_limit = cluster.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
+    stage_seconds: dict[str, float] = {}
+
+    # 1. baselines, simulated on the same table
+    clock = time.perf_counter()
+    baseline_plans = schedules.baselines(costs, cluster, num_microbatches, num_devices=p)
+    baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory) for name, plan_ in baseline_plans.items()}
+    stage_seconds["baselines"] = time.perf_counter() - clock
+    activation_budget = _activation_limit(activation_limit, baseline_sims)
+    _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget, memory)
+
+    # 2. bounds: whole layers per device (exact bin packing), and one microbatch's chain
+    clock = time.perf_counter()
+    bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.1 * time_limit_s), seed=seed)
+    chain_ms = sum(costs.forward) + sum(costs.backward_full)
+    lower_bound = max(num_microbatches * bound.lower_ms, chain_ms)
+    stage_seconds["bounds"] = time.perf_counter() - clock
+
+    # 3. tuner, started from every baseline
+    clock = time.perf_counter()
+    remaining = time_limit_s - (time.perf_counter() - started)
+    tuner_share = 0.6 if solver else 0.95
+    if say:
+        say(f"tuning {len(costs)} layers on {p} devices x {num_microbatches} microbatches (limit {time_limit_s:.0f}s)")
+    tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
+                 activation_budget=[activation_budget] * p if activation_budget is not None else None,
+                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=baseline_plans, progress=say)
+    stage_seconds["tuner"] = time.perf_counter() - clock
+    best_plan, origin = tuned.best.plan, "tuner"
+    notes = [f"tuner: {tuned.evaluations} plans simulated; best from {tuned.best.origin}"]
+    cut_short = tuned.cut_short
+
+    # 4. CP-SAT over the tuner's structure, hinted with its order
+    refinement = None
+    if solver:
+        clock = time.perf_counter()
+        remaining = time_limit_s - (time.perf_counter() - started)
+        if remaining > 0.5:
+            if say:
+                say(f"CP-SAT refinement ({remaining:.0f}s left)")
+            refinement = refine_order(best_plan, costs, cluster, time_limit_s=remaining - 0.2,
+                                      activation_budget=[activation_budget] * p if activation_budget is not None else None,
+                                      memory=memory, seed=seed)
+            if refinement.iteration_ms < tuned.best.iteration_ms - 1e-9:
+                best_plan, origin = refinement.plan, "solver"
+            mode = "the whole op order" if refinement.full_model else f"{refinement.windows} neighbourhoods (time windows of ops)"
+            notes.append(f"solver: CP-SAT over {mode}, {refinement.improved_windows} improved the plan")
+        else:
+            notes.append("solver: skipped, no time left")
+            cut_short = True
+        stage_seconds["solver"] = time.perf_counter() - clock
+
+    # 5. report
+    final = simulate(best_plan, costs, cluster, memory=memory)
+    rows = [_row(name, "baseline", sim, activation_budget, memory_limit) for name, sim in baseline_sims.items()]
+    rows.append(_row("octopipe tuner", "tuner", simulate(tuned.best.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
+    if refinement is not None:
+        rows.append(_row("octopipe solver", "solver", simulate(refinement.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
+    chosen = "octopipe solver" if origin == "solver" else "octopipe tuner"
+    if not bound.optimal:
+        notes.append("balance bound: bin packing not proven optimal in time; the lower bound uses its proven bound")
+    if not costs.has_memory_info:
+        notes.append("the cost table has no activation_bytes: memory limits cannot bind")
+    report = PlanReport(
+        rows=rows, chosen=chosen, num_devices=p, num_microbatches=num_microbatches, num_layers=len(costs),
+        balance_bound_ms=num_microbatches * bound.load_ms, balance_bound_optimal=bound.optimal,
+        lower_bound_ms=lower_bound, activation_limit_bytes=activation_budget, memory_limit_bytes=memory_limit,
+        planning_seconds=time.perf_counter() - started, stage_seconds=stage_seconds, cut_short=cut_short, notes=notes,
+    )
+    return PlanResult(best_plan, report, final)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
+                  time_limit_s: float) -> None:
+    if not isinstance(costs, CostTable):
+        raise OctopipeError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise OctopipeError(f"plan: cluster must be a ClusterSpec (ClusterSpec.preset('h100x8')), got {type(cluster).__name__}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise PlanError(f"plan: num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
+        raise PlanError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
+    if num_devices > len(costs):
+        raise PlanError(
+            f"plan: {num_devices} devices but the model has only {len(costs)} layers; every device needs at least one "
+            f"layer: use num_devices <= {len(costs)}"
+        )
+    if not time_limit_s > 0:
+        raise PlanError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+
+
+def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimResult]) -> float | None:
+    if limit is None:
+        return None
+    if isinstance(limit, str):
+        if limit != "1f1b":
+            raise PlanError(f"plan: activation_limit must be bytes or '1f1b', got {limit!r}")
+        peaks = [max(sim.peak_activation_bytes) for name, sim in baseline_sims.items() if name.startswith("1f1b/")]
+        if not peaks:
+            raise PlanError("plan: activation_limit='1f1b' but no 1F1B baseline is defined for this input")
+        return max(peaks)
+    if not limit > 0:
+        raise PlanError(f"plan: activation_limit must be positive, got {limit!r}")
+    return float(limit)
+
+
+def least_memory(costs: CostTable, num_devices: int, memory: MemoryModel = MemoryModel()) -> tuple[float, PipelinePlan]:
+    """The smallest per-device peak memory any plan of these layers on `num_devices` devices
+    needs, within the plans the planner considers: a device must hold the weights, gradients and
+    optimizer state of its layers and the activations of at least one microbatch of them. Returns
+    (bytes, a one-microbatch-at-a-time plan that reaches it)."""
+    weights = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
+    bounds = schedules.balanced_boundaries(weights, num_devices)
+    stages = list(range(num_devices))
+    ops: list[list] = [[] for _ in range(num_devices)]
+    for s in stages:
+        ops[s] += [F(s, 0), B(s, 0)]
+    plan_ = PipelinePlan.build(1, bounds, stages, ops, num_devices=num_devices)
+    need = max(
+        sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
+    )
+    return need, plan_
+
+
+def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches: int, memory_limit: float,
+                           activation_budget: float | None, memory: MemoryModel) -> None:
+    need, _ = least_memory(costs, num_devices, memory)
+    if need > memory_limit:
+        raise InfeasibleError(
+            f"no plan fits {memory_limit / GiB:.2f} GiB per device: even one microbatch in flight with weights, "
+            f"gradients and optimizer state spread evenly needs {need / GiB:.2f} GiB on the busiest of {num_devices} "
+            f"devices. Use more devices (about {int(-(-need * num_devices // memory_limit))}), shard the optimizer "
+            "state, or use a smaller microbatch"
+        )
+    top = max(costs.activation) if len(costs) else 0.0
+    if activation_budget is not None and top > activation_budget:
+        raise InfeasibleError(
+            f"activation limit {activation_budget / GiB:.3f} GiB per device is below one microbatch of the largest "
+            f"layer ({top / GiB:.3f} GiB): raise the limit or use a smaller microbatch"
+        )
+
+
+def _row(name: str, kind: str, sim: SimResult, activation_budget: float | None, memory_limit: float | None) -> PlanRow:
+    peak_activation = max(sim.peak_activation_bytes)
+    peak_memory = max(sim.peak_memory_bytes)
+    fits = (activation_budget is None or peak_activation <= activation_budget * (1 + 1e-9)) and (
+        memory_limit is None or peak_memory <= memory_limit * (1 + 1e-9))
+    return PlanRow(name, kind, sim.iteration_ms, sim.bubble_ratio, peak_activation, peak_memory, fits, sim.plan.num_stages)
+
+
+__all__ = ["plan", "PlanResult", "least_memory", "Sequence"]
