@@ -1,6 +1,8 @@
 """OctoPipe: a pipeline-parallel training compiler that co-optimizes partition, placement and
 schedule for heterogeneous models. The public names are below; see DESIGN.md."""
 
+from octopipe import schedules
+from octopipe.api import Pipeline, PlanResult, compile, plan
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import (
     ClusterSpecError,
@@ -14,11 +16,23 @@ from octopipe.errors import (
     VerificationError,
 )
 from octopipe.ir import CostTable, LayerCost, LayerGraph, Op, PipelinePlan, RankProgram, Stage
+from octopipe.passes.trace import trace
+from octopipe.simulator import SimResult, simulate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
+    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "trace", "runtime",
     "OctopipeError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
     "InfeasibleError", "VerificationError", "ExecutionError",
 ]
+
+
+def __getattr__(name: str):
+    # `octopipe.runtime` on first use: importing it pulls in torch.distributed
+    if name == "runtime":
+        import importlib
+
+        return importlib.import_module("octopipe.runtime")
+    raise AttributeError(f"module 'octopipe' has no attribute {name!r}")

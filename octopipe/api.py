@@ -7,7 +7,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
@@ -131,6 +133,9 @@ def plan(
     return PlanResult(best_plan, report, final)
 
 
+_search = plan  # compile()'s `plan` argument shadows the function
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -213,4 +218,189 @@ def _row(name: str, kind: str, sim: SimResult, activation_budget: float | None, 
     return PlanRow(name, kind, sim.iteration_ms, sim.bubble_ratio, peak_activation, peak_memory, fits, sim.plan.num_stages)
 
 
-__all__ = ["plan", "PlanResult", "least_memory", "Sequence"]
+
+
+# -- compile ----------------------------------------------------------------------------------------
+
+DUMP_LEVELS = ("graph", "costs", "plan", "program", "stages")
+
+
+@dataclass
+class Pipeline:
+    """A compiled model: every IR level, and an engine per rank.
+
+    `graph` (LayerGraph), `costs` (CostTable), `plan` (PipelinePlan), `programs` (one
+    RankProgram per rank), `stages` (one StageModule per plan stage), `report` (when the planner
+    ran), `simulation` (the plan's predicted iteration), `pass_seconds` (time of each pass)."""
+
+    graph: Any
+    costs: CostTable
+    plan: PipelinePlan
+    programs: tuple
+    stages: tuple
+    cluster: ClusterSpec
+    num_microbatches: int
+    report: PlanReport | None = None
+    simulation: SimResult | None = None
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.num_devices
+
+    def engine(self, rank: int, **options: Any):
+        """The runtime Engine of `rank` (its stages and program). Options go to
+        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer)."""
+        from octopipe.passes.codegen import stages_on
+        from octopipe.runtime.engine import Engine
+
+        if not 0 <= rank < self.world_size:
+            raise OctopipeError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
+        return Engine(rank, self.world_size, stages_on(self.stages, self.plan, rank), self.programs[rank],
+                      self.num_microbatches, **options)
+
+    def dump(self, level: str = "plan") -> str:
+        """The text form of one IR level: graph, costs, plan, program (all ranks) or stages."""
+        from octopipe.ir.program import format_programs
+
+        if level == "graph":
+            return str(self.graph)
+        if level == "costs":
+            return str(self.costs)
+        if level == "plan":
+            return str(self.plan)
+        if level == "program":
+            return format_programs(self.programs)
+        if level == "stages":
+            return "\n".join(stage.describe() for stage in self.stages) + "\n"
+        raise OctopipeError(f"pipe.dump: unknown IR level {level!r}; levels are {', '.join(DUMP_LEVELS)}")
+
+    def dump_all(self, directory: str | Path) -> list[Path]:
+        """Write every level as NN_<level>.txt (the IR after each pass) into `directory`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for number, level in enumerate(DUMP_LEVELS, 1):
+            path = directory / f"{number:02d}_{level}.txt"
+            path.write_text(self.dump(level))
+            paths.append(path)
+        return paths
+
+    def save(self, path: str | Path) -> None:
+        """Save the plan (JSON for .json, else the text form) to reuse with compile(plan=path)."""
+        path = Path(path)
+        path.write_text(self.plan.to_json() if path.suffix == ".json" else str(self.plan))
+
+
+def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:
+    if isinstance(source, PipelinePlan):
+        return source
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise OctopipeError(f"{path}: cannot read plan: {exc.strerror}") from None
+    return PipelinePlan.from_json(text) if text.lstrip().startswith("{") else PipelinePlan.parse(text)
+
+
+def compile(
+    model: Any,
+    cluster: ClusterSpec,
+    *,
+    example_inputs: Sequence[Any] | Any,
+    loss_fn: Callable[[Any, Any], Any],
+    example_target: Any = None,
+    num_microbatches: int = 8,
+    costs: str | CostTable = "analytic",
+    plan: str | Path | PipelinePlan | None = None,
+    schedule: str | None = None,
+    partition: str | Sequence[int] = "balanced",
+    num_devices: int | None = None,
+    time_limit_s: float = 30.0,
+    memory_limit_bytes: float | None = None,
+    activation_limit: float | str | None = None,
+    split_points: Sequence[str] = (),
+    leaf_modules: Sequence[Any] = (),
+    split_backward: bool | None = None,
+    compile_stages: bool = False,
+    seed: int = 0,
+    quiet: bool = False,
+) -> Pipeline:
+    """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
+    lower the plan to per-rank programs, verified before anything runs.
+
+    example_inputs: one full batch of model inputs, cut along dim 0 into `num_microbatches`
+    equal microbatches. loss_fn(output, target) -> scalar mean loss. example_target: a target
+    batch; with it the loss is traced as the last layer (and costed), without it the last stage
+    applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device) or a
+    CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
+    name (e.g. "zb-v") with `partition` ("balanced" or "uniform")."""
+    from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
+    from octopipe.passes.lower import lower
+    from octopipe.passes.trace import trace
+    from octopipe.passes.verify import verify
+
+    seconds: dict[str, float] = {}
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise PlanError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if plan is not None and schedule is not None:
+        raise OctopipeError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
+
+    def timed(name: str, function: Callable[[], Any]) -> Any:
+        clock = time.perf_counter()
+        value = function()
+        seconds[name] = time.perf_counter() - clock
+        return value
+
+    graph = timed("trace", lambda: trace(model, inputs, loss_fn=loss_fn if example_target is not None else None,
+                                         example_target=example_target, split_points=split_points,
+                                         leaf_modules=leaf_modules))
+    micro = microbatch(inputs, num_microbatches)
+    micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
+    table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target))
+    if len(table) != len(graph.layers):
+        raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
+                            f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
+    report = None
+    if plan is not None:
+        chosen = timed("plan", lambda: load_plan(plan))
+    elif schedule is not None:
+        chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
+                                                       num_devices=num_devices, partition=partition))
+    else:
+        result = timed("plan", lambda: _search(
+            table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
+            memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet))
+        chosen, report = result.plan, result.report
+    if chosen.num_microbatches != num_microbatches:
+        raise PlanError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
+                        f"{num_microbatches}; plan again or pass the matching count")
+    chosen.validate(num_layers=len(graph.layers))
+    if chosen.num_devices > cluster.num_devices:
+        raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has {cluster.num_devices}")
+    simulation = timed("simulate", lambda: simulate(chosen, table, cluster))
+    stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target, num_microbatches=num_microbatches,
+                                              loss_fn=loss_fn, model=model, split_backward=split_backward,
+                                              compile=compile_stages))
+    links = links_of(stages)
+    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen)))
+    timed("verify", lambda: verify(programs, chosen, links))
+    return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
+
+
+def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any) -> CostTable:
+    if isinstance(costs, CostTable):
+        return costs
+    if costs == "analytic":
+        from octopipe.passes.costs import analytic_costs
+
+        batch_size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "shape") and micro[0].dim() else 1
+        return analytic_costs(graph, cluster, batch_size=batch_size)
+    if costs == "profile":
+        from octopipe.passes.profile import profile_costs
+
+        return profile_costs(graph, micro, example_target=micro_target if graph.layers[-1].kind == "loss" else None)
+    if isinstance(costs, (str, Path)) and Path(costs).suffix in (".json", ".yaml", ".yml"):
+        return CostTable.load(costs)
+    raise OctopipeError(f"compile: costs must be 'analytic', 'profile', a cost table file or a CostTable, got {costs!r}")

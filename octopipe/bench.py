@@ -1,0 +1,100 @@
+"""Measured runs for the demo and the benchmarks: train a compiled pipeline for a few steps on
+local processes and time each step; calibrate the local gloo "cluster".
+
+Consumes a `Pipeline` (octopipe.compile) and a batch; produces per-step wall times measured on
+rank 0 between barriers (median reported), beside the simulator's prediction for the same plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from octopipe.cluster import ClusterSpec
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    step_ms: tuple[float, ...]
+    losses: tuple[float, ...]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
+def _train_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int, warmup: int,
+                  learning_rate: float) -> StepTiming:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    engine = pipe.engine(rank)
+    optimizer = torch.optim.SGD([p for _, p in engine.named_parameters()], lr=learning_rate) if learning_rate else None
+    times, losses = [], []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine.step(inputs, target)
+        dist.barrier()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            for _, parameter in engine.named_parameters():
+                parameter.grad = None
+        if step >= warmup:
+            times.append(elapsed)
+            losses.append(float(loss))
+    return StepTiming(tuple(times), tuple(losses))
+
+
+def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
+                  learning_rate: float = 0.0, timeout_s: float = 600.0) -> StepTiming:
+    """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
+    step times of rank 0 (each step between two barriers)."""
+    from octopipe.runtime import launch
+
+    results = launch(_train_worker, pipe.world_size, args=(pipe, tuple(inputs), target, steps, warmup, learning_rate),
+                     timeout_s=timeout_s)
+    return results[0]
+
+
+def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> list[float]:
+    import torch.distributed as dist
+
+    out = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4, dtype=torch.float32)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            samples.append((time.perf_counter() - start) / 2)
+        out.append(statistics.median(samples))
+    return out
+
+
+def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
+    """The local gloo 'cluster' with latency and bandwidth measured by a ping-pong between two
+    processes (one small and one 4 MB message)."""
+    from octopipe.runtime import launch
+
+    small, large = 4, 4 * 2**20
+    one_way = launch(_pingpong_worker, 2, args=((small, large), 20))[0]
+    latency = max(one_way[0], 1e-6)
+    bandwidth = large / max(one_way[1] - latency, 1e-9)
+    base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
+    return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
+                   inter_node_bandwidth=bandwidth, name=f"cpux{num_devices}-measured")

@@ -1,0 +1,413 @@
+"""`octopipe` command line: demo | plan | simulate | show | train | dump.
+
+Exit codes scripts can rely on: 0 success; 1 an OctoPipe error (bad input, untraceable model);
+2 usage error; 3 infeasible (no plan meets the memory limit); 4 invalid plan or programs;
+5 execution error (a worker failed or timed out). Errors print one `octopipe: error: ...` block
+on stderr, never a traceback (set OCTOPIPE_DEBUG=1 for one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE, EXIT_INVALID_PLAN, EXIT_EXECUTION = 0, 1, 2, 3, 4, 5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    from octopipe.errors import (ExecutionError, InfeasibleError, OctopipeError, PlanError,
+                                 VerificationError)
+
+    try:
+        return args.run(args) or EXIT_OK
+    except InfeasibleError as exc:
+        return _fail(exc, EXIT_INFEASIBLE)
+    except (PlanError, VerificationError) as exc:
+        return _fail(exc, EXIT_INVALID_PLAN)
+    except ExecutionError as exc:
+        return _fail(exc, EXIT_EXECUTION)
+    except OctopipeError as exc:
+        return _fail(exc, EXIT_ERROR)
+    except KeyboardInterrupt:
+        print("octopipe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(exc: Exception, code: int) -> int:
+    if os.environ.get("OCTOPIPE_DEBUG"):
+        raise exc
+    print(f"octopipe: error: {exc}", file=sys.stderr)
+    return code
+
+
+# -- shared options -------------------------------------------------------------------------------
+
+def _cluster(args: argparse.Namespace, default: str = "h100x8"):
+    from octopipe.cluster import ClusterSpec
+
+    spec = args.cluster or default
+    cluster = ClusterSpec.load(spec) if Path(spec).suffix in (".yaml", ".yml", ".json") else ClusterSpec.preset(spec)
+    if getattr(args, "devices", None):
+        if args.devices > cluster.num_devices and Path(spec).suffix:
+            from octopipe.errors import ClusterSpecError
+
+            raise ClusterSpecError(f"--devices {args.devices} exceeds the {cluster.num_devices} devices of {spec}")
+        cluster = cluster.with_devices(args.devices)
+    return cluster
+
+
+def _load_model(spec: str, size: str, batch_size: int, seq_len: int | None, overrides: list[str]):
+    """(model, inputs, target, loss_fn) from a built-in name or `module:factory`. A factory returns
+    a dict with keys model, inputs, and optionally target and loss_fn."""
+    import torch
+
+    from octopipe import models
+    from octopipe.errors import OctopipeError
+
+    if spec in models.MODEL_NAMES:
+        fields = _overrides(overrides)
+        device = "meta" if size == "paper" else "cpu"
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = models.build(spec, size, **fields)
+            inputs = models.example_inputs(spec, size, batch_size=batch_size, seq_len=seq_len, **fields)
+            target = models.example_target(spec, size, batch_size=batch_size, seq_len=seq_len, **fields)
+        return model, inputs, target, models.lm_loss
+    module_name, _, factory_name = spec.partition(":")
+    if not factory_name:
+        raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise OctopipeError(f"--model {spec!r}: cannot import {factory_name} from {module_name}: {exc}") from None
+    made = factory()
+    if not isinstance(made, dict) or "model" not in made or "inputs" not in made:
+        raise OctopipeError(f"--model {spec!r}: the factory must return a dict with 'model' and 'inputs' "
+                            "(and optionally 'target', 'loss_fn')")
+    inputs = made["inputs"] if isinstance(made["inputs"], tuple) else (made["inputs"],)
+    return made["model"], inputs, made.get("target"), made.get("loss_fn", models.lm_loss)
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    from octopipe.errors import OctopipeError
+
+    fields: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise OctopipeError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set num_layers=6")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            try:
+                fields[key] = float(value)
+            except ValueError:
+                fields[key] = value
+    return fields
+
+
+def _costs_from(args: argparse.Namespace, cluster):
+    """A CostTable from --costs FILE, or the analytic/profiled costs of --model."""
+    from octopipe.errors import OctopipeError
+    from octopipe.ir.costs import CostTable
+
+    if args.costs and args.model:
+        raise OctopipeError("give --costs FILE or --model, not both")
+    if args.costs:
+        return CostTable.load(args.costs), None
+    if not args.model:
+        raise OctopipeError("give --costs FILE (a cost table) or --model NAME|module:factory")
+    from octopipe.passes.codegen import microbatch
+    from octopipe.passes.costs import analytic_costs
+    from octopipe.passes.trace import trace
+
+    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
+    micro = microbatch(inputs, args.microbatches)
+    if args.profile:
+        from octopipe.passes.profile import profile_costs
+
+        micro_target = microbatch((target,), args.microbatches)[0] if target is not None else None
+        return profile_costs(graph, micro, example_target=micro_target), graph
+    return analytic_costs(graph, cluster, batch_size=int(micro[0].shape[0])), graph
+
+
+def _add_costs_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in DESIGN.md)")
+    p.add_argument("--model", metavar="NAME|module:factory",
+                   help="a built-in model (llama, gemma, deepseek, nemotron-h, multimodal) or a factory")
+    p.add_argument("--size", default="tiny", choices=("tiny", "paper"), help="built-in model size (paper: on the meta device)")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a built-in model's config field")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch size of the example batch")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the config's)")
+    p.add_argument("--profile", action="store_true", help="measure costs on this machine instead of analytic ones")
+
+
+def _add_cluster_options(p: argparse.ArgumentParser, default: str = "h100x8") -> None:
+    p.add_argument("--cluster", metavar="FILE|PRESET", default=None,
+                   help=f"cluster spec file or preset (h100x8, h100x16, h800x16-roce, a100x32, cpux2, ...; default {default})")
+    p.add_argument("--devices", type=int, default=None, help="number of devices (overrides the preset's count)")
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from octopipe.demo import run_demo
+
+    run_demo(out_dir=args.out, steps=args.steps, time_limit_s=args.time_limit, quick=args.quick)
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from octopipe.api import plan
+
+    cluster = _cluster(args)
+    costs, _ = _costs_from(args, cluster)
+    limit: float | str | None = args.activation_limit
+    if limit is not None and limit != "1f1b":
+        limit = float(limit) * 2**30
+    result = plan(costs, cluster, args.microbatches, num_devices=args.devices, time_limit_s=args.time_limit,
+                  memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit else None,
+                  activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver)
+    print(result.report)
+    if args.output:
+        path = Path(args.output)
+        path.write_text(result.plan.to_json() if path.suffix == ".json" else str(result.plan))
+        print(f"plan written to {path}")
+    else:
+        print()
+        print(result.plan)
+    return EXIT_OK
+
+
+def _read_plan(path: str):
+    from octopipe.api import load_plan
+
+    return load_plan(path)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from octopipe.simulator import simulate
+
+    plan_ = _read_plan(args.plan)
+    cluster = _cluster(args)
+    if cluster.num_devices < plan_.num_devices:
+        cluster = cluster.with_devices(plan_.num_devices)
+    costs, _ = _costs_from(args, cluster)
+    result = simulate(plan_, costs, cluster, blocking_sends=args.blocking_sends)
+    print(result)
+    if args.trace:
+        result.save_trace(args.trace)
+        print(f"Chrome/Perfetto trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from octopipe.simulator import simulate
+    from octopipe.viz import draw_comparison, draw_timeline
+
+    plans = [(_read_plan(path), path) for path in args.plans]
+    cluster = _cluster(args)
+    devices = max(p.num_devices for p, _ in plans)
+    if cluster.num_devices < devices:
+        cluster = cluster.with_devices(devices)
+    costs, _ = _costs_from(args, cluster)
+    results = {Path(path).stem: simulate(p, costs, cluster) for p, path in plans}
+    if len(results) == 1:
+        draw_timeline(next(iter(results.values())), args.output, title=args.title)
+    else:
+        draw_comparison(results, args.output, title=args.title)
+    print(f"timeline written to {args.output}")
+    return EXIT_OK
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import octopipe
+    from octopipe.bench import measure_steps
+    from octopipe.errors import OctopipeError
+
+    if args.torchrun:
+        print(torchrun_command(args))
+        return EXIT_OK
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _train_distributed(args)
+    if args.size == "paper":
+        raise OctopipeError("train runs real steps on this machine; paper-size models only plan (use --size tiny)")
+    cluster = _cluster(args, default=f"cpux{args.nprocs}")
+    if cluster.num_devices != args.nprocs:
+        cluster = cluster.with_devices(args.nprocs)
+    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                            num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
+                            plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
+    print(pipe.dump("plan"))
+    timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr)
+    for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
+        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
+    print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
+          f"{'profiled' if args.profile else 'analytic'} costs)")
+    return EXIT_OK
+
+
+def _train_distributed(args: argparse.Namespace) -> int:
+    """One rank of a torchrun job: every rank compiles the same model; rank 0's plan is broadcast
+    so all ranks run the same one, then each rank runs its engine."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import octopipe
+    from octopipe.ir.plan import PipelinePlan
+    from octopipe.runtime import init_from_env
+
+    rank, world_size = init_from_env()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cluster = _cluster(args, default=f"h100x{world_size}")
+    if cluster.num_devices != world_size:
+        cluster = cluster.with_devices(world_size)
+    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    plan_text = [None]
+    if rank == 0:
+        first = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                                 num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule,
+                                 time_limit_s=args.time_limit, quiet=args.quiet)
+        plan_text = [str(first.plan)]
+    dist.broadcast_object_list(plan_text, src=0)
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                            num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True)
+    engine = pipe.engine(rank, device=device)
+    inputs = tuple(t.to(device) for t in inputs)
+    target = target.to(device) if target is not None else None
+    optimizer = torch.optim.SGD([p for _, p in engine.named_parameters()], lr=args.lr)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        loss = engine.step(inputs, target)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"step {step}: loss {loss:.5f}  {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+    dist.destroy_process_group()
+    return EXIT_OK
+
+
+def torchrun_command(args: argparse.Namespace) -> str:
+    """The torchrun line that runs this training on a real cluster (one process per GPU)."""
+    nodes = max(1, -(-args.nprocs // 8))
+    per_node = min(args.nprocs, 8)
+    plan_arg = f" --plan {args.plan}" if args.plan else (f" --schedule {args.schedule}" if args.schedule else "")
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint $MASTER_ADDR:29500 -m octopipe.cli train --model {args.model} --size {args.size} "
+            f"--batch-size {args.batch_size}{plan_arg} --microbatches {args.microbatches} --steps {args.steps}")
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import octopipe
+
+    cluster = _cluster(args, default="cpux2")
+    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                            num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule or "1f1b",
+                            quiet=True)
+    if args.all:
+        for path in pipe.dump_all(args.all):
+            print(path)
+    else:
+        print(pipe.dump(args.level), end="")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="octopipe", description="Pipeline-parallel training compiler: joint partition, placement and schedule.",
+        epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 infeasible, 4 invalid plan, 5 execution error.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="plan a heterogeneous model for 2 CPU processes, train it, compare with the best baseline")
+    p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans")
+    p.add_argument("--steps", type=int, default=4, help="measured training steps per plan")
+    p.add_argument("--time-limit", type=float, default=20.0, help="planner time limit in seconds")
+    p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests)")
+    p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("plan", help="search the best plan for a cost table or a model")
+    _add_costs_options(p)
+    _add_cluster_options(p)
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--time-limit", type=float, default=30.0, help="seconds for the whole search")
+    p.add_argument("--activation-limit", default=None, metavar="GiB|1f1b",
+                   help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GiB", help="device memory (default: the cluster's)")
+    p.add_argument("--no-solver", action="store_true", help="skip the CP-SAT refinement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("simulate", help="simulate a plan file on a cost table")
+    p.add_argument("plan", help="plan file (.json or text form)")
+    _add_costs_options(p)
+    _add_cluster_options(p)
+    p.add_argument("--microbatches", type=int, default=16, help="(for --model costs) microbatches of the batch")
+    p.add_argument("--blocking-sends", action="store_true", help="senders wait for their sends (no overlap)")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.set_defaults(run=cmd_simulate)
+
+    p = sub.add_parser("show", help="draw the timeline of one plan, or several on one time axis")
+    p.add_argument("plans", nargs="+", help="plan files")
+    _add_costs_options(p)
+    _add_cluster_options(p)
+    p.add_argument("--microbatches", type=int, default=16, help="(for --model costs) microbatches of the batch")
+    p.add_argument("-o", "--output", default="timeline.png", help="PNG or SVG")
+    p.add_argument("--title", default=None)
+    p.set_defaults(run=cmd_show)
+
+    p = sub.add_parser("train", help="train a model with a plan on local processes (or print the torchrun line)")
+    p.add_argument("--model", required=True, metavar="NAME|module:factory")
+    p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--nprocs", type=int, default=2, help="local processes (devices); with --torchrun, GPUs in all")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
+    p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
+    p.add_argument("--profile", action="store_true", help="plan with measured costs")
+    p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
+    p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(run=cmd_train, devices=None)
+
+    p = sub.add_parser("dump", help="print an IR level of a compiled model")
+    p.add_argument("--model", required=True, metavar="NAME|module:factory")
+    p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--plan", metavar="FILE")
+    p.add_argument("--schedule", metavar="NAME", help="baseline to lower (default 1f1b)")
+    p.add_argument("--cluster", default=None)
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--level", default="plan", choices=("graph", "costs", "plan", "program", "stages"))
+    p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR")
+    p.set_defaults(run=cmd_dump)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())
