@@ -353,9 +353,10 @@ def compile(
         seconds[name] = time.perf_counter() - clock
         return value
 
-    graph = timed("trace", lambda: trace(model, inputs, loss_fn=loss_fn if example_target is not None else None,
-                                         example_target=example_target, split_points=split_points,
-                                         leaf_modules=leaf_modules))
+    if example_target is None:
+        example_target = _guess_target(model, inputs, loss_fn)
+    graph = timed("trace", lambda: trace(model, inputs, loss_fn=loss_fn, example_target=example_target,
+                                         split_points=split_points, leaf_modules=leaf_modules))
     micro = microbatch(inputs, num_microbatches)
     micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
     table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target))
@@ -387,6 +388,35 @@ def compile(
     programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen)))
     timed("verify", lambda: verify(programs, chosen, links))
     return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
+
+
+def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any]) -> Any:
+    """A stand-in target batch when none is given: class indices shaped like the output without
+    its last dimension (language models, classifiers), else a tensor shaped like the output."""
+    import torch
+
+    with torch.no_grad():
+        output = model(*inputs)
+    output = getattr(output, "logits", output)
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    candidates = []
+    if isinstance(output, torch.Tensor) and output.dim() >= 1:
+        candidates.append(torch.zeros(output.shape[:-1], dtype=torch.long, device=output.device))
+    if isinstance(output, torch.Tensor):
+        candidates.append(torch.zeros_like(output))
+    for candidate in candidates:
+        try:
+            with torch.no_grad():
+                loss = loss_fn(output, candidate)
+        except Exception:  # noqa: BLE001 - a wrong guess just moves on to the next one
+            continue
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            return candidate
+    raise OctopipeError(
+        "compile: could not infer the target's shape for loss_fn (tried class indices shaped like the output "
+        "without its last dimension, and a tensor shaped like the output); pass example_target= (one batch of targets)"
+    )
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any) -> CostTable:

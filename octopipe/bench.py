@@ -28,40 +28,55 @@ class StepTiming:
         return statistics.median(self.step_ms)
 
 
-def _train_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int, warmup: int,
-                  learning_rate: float) -> StepTiming:
+def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
+                  warmup: int, learning_rate: float) -> list[StepTiming]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    engine = pipe.engine(rank)
-    optimizer = torch.optim.SGD([p for _, p in engine.named_parameters()], lr=learning_rate) if learning_rate else None
-    times, losses = [], []
+    engines = [pipe.engine(rank) for pipe in pipes]
+    optimizers = [torch.optim.SGD([p for _, p in e.named_parameters()], lr=learning_rate) if learning_rate else None
+                  for e in engines]
+    times: list[list[float]] = [[] for _ in pipes]
+    losses: list[list[float]] = [[] for _ in pipes]
     for step in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        loss = engine.step(inputs, target)
-        dist.barrier()
-        elapsed = (time.perf_counter() - start) * 1e3
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            for _, parameter in engine.named_parameters():
-                parameter.grad = None
-        if step >= warmup:
-            times.append(elapsed)
-            losses.append(float(loss))
-    return StepTiming(tuple(times), tuple(losses))
+        # alternate the pipelines step by step, so drift in machine load hits them alike
+        for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = engine.step(inputs, target)
+            dist.barrier()
+            elapsed = (time.perf_counter() - start) * 1e3
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                for _, parameter in engine.named_parameters():
+                    parameter.grad = None
+            if step >= warmup:
+                times[index].append(elapsed)
+                losses[index].append(float(loss))
+    return [StepTiming(tuple(t), tuple(l)) for t, l in zip(times, losses)]
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers)."""
+    return measure_many([pipe], inputs, target, steps=steps, warmup=warmup, learning_rate=learning_rate,
+                        timeout_s=timeout_s)[0]
+
+
+def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
+                 learning_rate: float = 0.0, timeout_s: float = 600.0) -> list[StepTiming]:
+    """Like `measure_steps` for several pipelines of the same world size in one launch, their
+    steps interleaved (A B A B ...): the fair way to compare them on a noisy machine."""
     from octopipe.runtime import launch
 
-    results = launch(_train_worker, pipe.world_size, args=(pipe, tuple(inputs), target, steps, warmup, learning_rate),
-                     timeout_s=timeout_s)
+    sizes = {pipe.world_size for pipe in pipes}
+    if len(sizes) != 1:
+        raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
+    results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
+                                                        learning_rate), timeout_s=timeout_s)
     return results[0]
 
 

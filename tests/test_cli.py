@@ -1,0 +1,85 @@
+"""The command line: every subcommand end to end, and exit codes scripts can rely on."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octopipe.cli import EXIT_ERROR, EXIT_INFEASIBLE, EXIT_INVALID_PLAN, EXIT_OK, EXIT_USAGE, main
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "data" / "profiles" / "gpt-oss-20B-seq2048.json"
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for command in ("demo", "plan", "simulate", "show", "train", "dump"):
+        assert command in text
+    assert main([]) == EXIT_USAGE
+
+
+def test_plan_simulate_show_round_trip(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    code = main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
+                 "--quiet", "--no-solver", "-o", str(plan_path)])
+    assert code == EXIT_OK
+    out = capsys.readouterr().out
+    assert "speedup" in out and "balance bound" in out and "zb-v/balanced" in out
+    plan = json.loads(plan_path.read_text())
+    assert plan["num_devices"] == 4 and plan["num_microbatches"] == 8
+    trace = tmp_path / "trace.json"
+    assert main(["simulate", str(plan_path), "--costs", str(PROFILE), "--trace", str(trace)]) == EXIT_OK
+    assert "bubble ratio" in capsys.readouterr().out
+    assert any(e.get("ph") == "X" for e in json.loads(trace.read_text())["traceEvents"])
+    picture = tmp_path / "timeline.svg"
+    assert main(["show", str(plan_path), str(plan_path), "--costs", str(PROFILE), "-o", str(picture)]) == EXIT_OK
+    assert picture.read_text().lstrip().startswith("<?xml")
+
+
+def test_dump_every_level(tmp_path, capsys):
+    assert main(["dump", "--model", "llama", "--level", "program"]) == EXIT_OK
+    assert "program rank=0 ranks=2" in capsys.readouterr().out
+    assert main(["dump", "--model", "llama", "--all", str(tmp_path)]) == EXIT_OK
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["01_graph.txt", "02_costs.txt", "03_plan.txt", "04_program.txt", "05_stages.txt"]
+    assert (tmp_path / "01_graph.txt").read_text().startswith("graph model=")
+
+
+def test_exit_codes(tmp_path, capsys):
+    assert main(["plan", "--costs", str(tmp_path / "missing.json")]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("octopipe: error:") and "missing.json" in err and "Traceback" not in err
+    heavy = tmp_path / "heavy.json"
+    heavy.write_text(json.dumps({"layers": [
+        {"name": f"l{i}", "forward_ms": 1, "backward_ms": 2, "param_bytes": 2 * 2**30, "activation_bytes": 2**20}
+        for i in range(4)]}))
+    assert main(["plan", "--costs", str(heavy), "--devices", "2", "--microbatches", "4", "--quiet",
+                 "--memory-limit", "16"]) == EXIT_INFEASIBLE
+    assert "more devices" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_text("plan devices=1 microbatches=1 stages=1\nstage 0 layers=0:3 device=0\ndevice 0: 0F0\n")
+    assert main(["simulate", str(bad), "--costs", str(PROFILE)]) == EXIT_INVALID_PLAN
+    assert main(["plan", "--model", "nonexistent"]) == EXIT_ERROR
+
+
+def test_train_torchrun_line(capsys):
+    assert main(["train", "--model", "llama", "--torchrun", "--nprocs", "16", "--plan", "p.json"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert line.startswith("torchrun --nnodes 2 --nproc-per-node 8") and "-m octopipe.cli train" in line
+
+
+@pytest.mark.timeout(300)
+def test_train_runs_locally_and_losses_fall():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "octopipe.cli", "train", "--model", "llama", "--schedule", "zb-h1",
+                           "--steps", "4", "--lr", "0.5", "--quiet"], capture_output=True, text=True, env=env,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 4 and losses[-1] < losses[0]

@@ -1,0 +1,101 @@
+"""octopipe.compile: the pass pipeline, the Pipeline object, IR dumps, saved plans, errors.
+(Exactness of training under every schedule family is tested in tests/runtime.)"""
+
+import pytest
+import torch
+
+import octopipe
+from octopipe import ClusterSpec, OctopipeError, PipelinePlan, PlanError, models
+from octopipe.ir.program import parse_programs
+from octopipe.runtime import launch
+
+CLUSTER = ClusterSpec.preset("cpux2")
+
+
+def _tiny(name="gemma", batch=8):
+    torch.manual_seed(0)
+    model = models.build(name, "tiny")
+    return model, models.example_inputs(name, "tiny", batch_size=batch), models.example_target(name, "tiny", batch_size=batch)
+
+
+def test_every_ir_level_is_inspectable_and_round_trips(tmp_path):
+    model, x, y = _tiny()
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                            num_microbatches=4, schedule="zb-h1")
+    assert octopipe.LayerGraph.parse(pipe.dump("graph")) == pipe.graph
+    assert octopipe.CostTable.parse(pipe.dump("costs")) == pipe.costs
+    assert PipelinePlan.parse(pipe.dump("plan")) == pipe.plan
+    assert parse_programs(pipe.dump("program")) == pipe.programs
+    assert "stage 0" in pipe.dump("stages")
+    assert set(pipe.pass_seconds) == {"trace", "costs", "plan", "simulate", "codegen", "lower", "verify"}
+    assert len(pipe.dump_all(tmp_path)) == 5
+    with pytest.raises(OctopipeError, match="unknown IR level 'ast'"):
+        pipe.dump("ast")
+    # the tied embedding/head of gemma is reduced across the two ranks that hold it
+    if pipe.plan.stages[0].device != pipe.plan.stages[-1].device:
+        assert "reduce_tied param=embed.weight" in pipe.dump("program")
+
+
+def test_saved_plan_skips_the_search_and_gives_the_same_programs(tmp_path):
+    model, x, y = _tiny("llama")
+    first = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                             num_microbatches=4, time_limit_s=3, quiet=True)
+    assert first.report is not None and first.report.iteration_ms == pytest.approx(first.simulation.iteration_ms)
+    for name in ("plan.json", "plan.txt"):
+        first.save(tmp_path / name)
+        again = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                                 num_microbatches=4, plan=tmp_path / name)
+        assert again.plan == first.plan and again.programs == first.programs and again.report is None
+
+
+def test_target_shape_is_inferred_when_no_example_target_is_given():
+    model, x, _ = _tiny("llama")
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=models.lm_loss, num_microbatches=2,
+                            schedule="1f1b")
+    assert pipe.graph.layers[-1].kind == "loss" and pipe.stages[-1].is_loss
+    mse = lambda out, target: ((out - target) ** 2).mean()
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=mse, num_microbatches=2, schedule="1f1b")
+    assert pipe.stages[-1].is_loss
+    with pytest.raises(OctopipeError, match="pass example_target="):
+        octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=lambda out, t: out.sum() + t["x"],
+                         num_microbatches=2, schedule="1f1b")
+
+
+def _step(rank, world, pipe, x, y):
+    engine = pipe.engine(rank)
+    return engine.step(x, y), {n: p.grad.clone() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(180)
+def test_planned_pipeline_trains_exactly():
+    model, x, y = _tiny("deepseek")
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                            num_microbatches=4, costs="profile", time_limit_s=3, quiet=True)
+    results = launch(_step, 2, args=(pipe, x, y))
+    reference = models.lm_loss(model(*x), y)
+    reference.backward()
+    grads = {}
+    for loss, rank_grads in results:
+        assert loss == pytest.approx(reference.item(), abs=1e-6)
+        grads.update(rank_grads)
+    assert set(grads) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    model, x, y = _tiny("llama")
+    with pytest.raises(OctopipeError, match="not both"):
+        octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=models.lm_loss, plan="p.json", schedule="1f1b")
+    with pytest.raises(OctopipeError, match="cannot read plan"):
+        octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=models.lm_loss, plan=tmp_path / "none.json")
+    with pytest.raises(OctopipeError, match="costs must be"):
+        octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=models.lm_loss, costs="guess", schedule="1f1b")
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                            num_microbatches=4, schedule="1f1b")
+    pipe.save(tmp_path / "four.json")
+    with pytest.raises(PlanError, match="plan has 4 microbatches but num_microbatches=2"):
+        octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                         num_microbatches=2, plan=tmp_path / "four.json")
+    with pytest.raises(OctopipeError, match="rank must be in 0..1"):
+        pipe.engine(5)
