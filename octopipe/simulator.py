@@ -103,12 +103,32 @@ class SimResult:
     plan: PipelinePlan
     cluster: ClusterSpec
     iteration_ms: float
-    op_start: dict[Op, float]
-    op_end: dict[Op, float]
     transfers: tuple[Transfer, ...]
     static_memory_bytes: tuple[float, ...]
     peak_activation_bytes: tuple[float, ...]
-    _critical_pred: dict[Op, Op | None] = field(repr=False)
+    _starts: list[float] = field(repr=False)
+    _ends: list[float] = field(repr=False)
+    _pred: list[int] = field(repr=False)
+    """Per op key (kind * S * M + stage * M + microbatch): start, end, the key of the op that
+    released it (its device predecessor or the dependency it waited for), -1 for none."""
+
+    def _key(self, op: Op) -> int:
+        plan = self.plan
+        return (_KIND_INDEX[op.kind] * plan.num_stages + op.stage) * plan.num_microbatches + op.microbatch
+
+    def _op(self, key: int) -> Op:
+        per_kind = self.plan.num_stages * self.plan.num_microbatches
+        kind_index, rest = divmod(key, per_kind)
+        stage, micro = divmod(rest, self.plan.num_microbatches)
+        return Op(stage, _KINDS[kind_index], micro)
+
+    @cached_property
+    def op_start(self) -> dict[Op, float]:
+        return {op: self._starts[self._key(op)] for ops in self.plan.device_ops for op in ops}
+
+    @cached_property
+    def op_end(self) -> dict[Op, float]:
+        return {op: self._ends[self._key(op)] for ops in self.plan.device_ops for op in ops}
 
     # -- time ---------------------------------------------------------------------------------
     @cached_property
@@ -168,11 +188,12 @@ class SimResult:
         """Ops on the longest dependency chain that ends the iteration, first to last."""
         if not self.op_end:
             return ()
-        op: Op | None = max(self.op_end, key=lambda o: (self.op_end[o], -self.op_start[o]))
+        last = max(self.op_end, key=lambda o: (self.op_end[o], -self.op_start[o]))
+        key = self._key(last)
         path = []
-        while op is not None:
-            path.append(op)
-            op = self._critical_pred.get(op)
+        while key >= 0:
+            path.append(self._op(key))
+            key = self._pred[key]
         return tuple(reversed(path))
 
     # -- output -------------------------------------------------------------------------------
@@ -246,8 +267,8 @@ def _run(
     sc = stage_costs(plan, costs)
     num_stages, num_micro, num_devices = plan.num_stages, plan.num_microbatches, plan.num_devices
     stage_device = plan.placement
-    split = plan.split_backward()
     per_kind = num_stages * num_micro
+    is_split = _split_flags(plan, per_kind)
     total = 3 * per_kind
     # done[k]: end time of op k on its device; ready[k]: when op k's output is at its consumer.
     done = [-1.0] * total
@@ -312,7 +333,7 @@ def _run(
                         arrival, dep = own, base
                 else:
                     dep, arrival = base, own
-                duration = backward_input[stage] if (stage, micro) in split else backward_full[stage]
+                duration = backward_input[stage] if is_split[base] else backward_full[stage]
             else:
                 key = 2 * per_kind + base
                 dep = per_kind + base
@@ -341,7 +362,7 @@ def _run(
                 if activation[device] > peak[device]:
                     peak[device] = activation[device]
             elif kind is OpKind.B:
-                activation[device] -= act_bytes[stage] * ((1.0 - keep_fraction) if (stage, micro) in split else 1.0)
+                activation[device] -= act_bytes[stage] * ((1.0 - keep_fraction) if is_split[base] else 1.0)
             else:
                 activation[device] -= act_bytes[stage] * keep_fraction
             # output transfer
@@ -392,25 +413,25 @@ def _run(
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
 
-    def op_of(key: int) -> Op:
-        kind_index, rest = divmod(key, per_kind)
-        stage, micro = divmod(rest, num_micro)
-        return Op(stage, _KINDS[kind_index], micro)
-
-    op_start: dict[Op, float] = {}
-    op_end: dict[Op, float] = {}
-    critical: dict[Op, Op | None] = {}
-    for ops in device_ops:
-        for op in ops:
-            key = _KIND_INDEX[op.kind] * per_kind + op.stage * num_micro + op.microbatch
-            op_start[op] = starts[key]  # type: ignore[index]
-            op_end[op] = done[key]
-            critical[op] = op_of(pred[key]) if pred[key] >= 0 else None
     return SimResult(
-        plan=plan, cluster=cluster, iteration_ms=iteration, op_start=op_start, op_end=op_end,
-        transfers=tuple(transfers), static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak),
-        _critical_pred=critical,
+        plan=plan, cluster=cluster, iteration_ms=iteration, transfers=tuple(transfers),
+        static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak),
+        _starts=starts, _ends=done, _pred=pred,  # type: ignore[arg-type]
     )
+
+
+def _split_flags(plan: PipelinePlan, per_kind: int) -> list[bool]:
+    """is_split[stage * M + microbatch]: whether that pair has a W op (its B is input-only)."""
+    cached = plan._cache.get("split_flags")
+    if cached is None:
+        cached = [False] * per_kind
+        num_micro = plan.num_microbatches
+        for ops in plan.device_ops:
+            for op in ops:
+                if op.kind is OpKind.W and 0 <= op.stage < plan.num_stages and 0 <= op.microbatch < num_micro:
+                    cached[op.stage * num_micro + op.microbatch] = True
+        plan._cache["split_flags"] = cached
+    return cached
 
 
 def _missing_ops(plan: PipelinePlan, done: list[float], per_kind: int) -> list[Op]:
