@@ -179,7 +179,7 @@ class CostTable:
         if keyword != "costs":
             raise ParseError(f"{where}: expected 'costs ...', got {keyword!r}")
         head = FieldReader(parse_fields(tokens, where), where)
-        model = head.str("model", default="-")
+        model = head.str("model", default="")
         weight_fraction = head.float("weight_fraction", DEFAULT_WEIGHT_FRACTION)
         count = head.int("layers")
         head.done()
@@ -201,13 +201,13 @@ class CostTable:
             )
             formulas = []
             for key, value in reader.rest().items():
-                if not key.startswith("f."):
+                if not key.startswith("f.") or value is None:
                     raise ParseError(f"{where}: unknown field {key!r}")
                 formulas.append((key[2:], value))
             layers.append(replace(layer, formulas=tuple(formulas)))
         if len(layers) != count:
             raise ParseError(f"cost table header says layers={count}, found {len(layers)} layer lines")
-        return cls(tuple(layers), model="" if model == "-" else model, weight_fraction=weight_fraction)
+        return cls(tuple(layers), model=model, weight_fraction=weight_fraction)
 
     # -- JSON / YAML ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

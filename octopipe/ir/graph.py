@@ -133,13 +133,12 @@ class LayerGraph:
                 r.done()
             elif keyword == "edge":
                 r = FieldReader(parse_fields(tokens, where), where)
-                shape_text = r.str("shape", default="-")
+                shape_text = r.str("shape", default="")
                 try:
-                    shape = () if shape_text == "-" else tuple(int(d) for d in shape_text.split("x"))
+                    shape = tuple(int(d) for d in shape_text.split("x")) if shape_text else ()
                 except ValueError:
                     raise ParseError(f"{where}: shape must look like 4x16x32, got {shape_text!r}") from None
-                dtype = r.str("dtype", default="-")
-                edges.append(TensorEdge(r.str("name"), r.int("from"), r.ints("to"), shape, "" if dtype == "-" else dtype))
+                edges.append(TensorEdge(r.str("name"), r.int("from"), r.ints("to"), shape, r.str("dtype", default="")))
                 r.done()
             elif keyword == "shared":
                 r = FieldReader(parse_fields(tokens, where), where)

@@ -94,7 +94,7 @@ class Instruction:
             microbatch=r.optional_int("mb"),
             peer=r.optional_int("peer"),
             peer_stage=r.optional_int("peer_stage"),
-            param=r.fields.pop("param", None),
+            param=r.str("param", required=False) or None,
             ranks=r.ints("ranks"),
         )
         r.done()

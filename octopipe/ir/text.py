@@ -28,7 +28,7 @@ def format_value(value: object) -> str:
     if isinstance(value, int):
         return str(value)
     text = str(value)
-    if text and text != ABSENT and _BARE.match(text):
+    if text and text != ABSENT and _BARE.fullmatch(text):
         return text
     return json.dumps(text)
 
@@ -58,37 +58,51 @@ def split_tokens(line: str, where: str) -> list[str]:
     return tokens
 
 
-def parse_fields(tokens: Iterable[str], where: str) -> dict[str, str]:
-    """`key=value` tokens to a dict of raw (unquoted) strings; `-` stays `-`."""
-    fields: dict[str, str] = {}
+def parse_fields(tokens: Iterable[str], where: str) -> dict[str, str | None]:
+    """`key=value` tokens to a dict of raw (unquoted) strings; a bare `-` (absent) becomes None,
+    a quoted "-" stays the string "-"."""
+    fields: dict[str, str | None] = {}
     for token in tokens:
         key, sep, raw = token.partition("=")
         if not sep or not key:
             raise ParseError(f"{where}: expected key=value, got {token!r}")
         if key in fields:
             raise ParseError(f"{where}: field {key!r} given twice")
+        value: str | None = raw
         if raw.startswith('"'):
             try:
-                raw = json.loads(raw)
+                value = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise ParseError(f"{where}: bad quoted value for {key!r}: {exc}") from None
-        fields[key] = raw
+        elif raw == ABSENT:
+            value = None
+        fields[key] = value
     return fields
 
 
 class FieldReader:
-    """Typed access to the fields of one text record, with errors that name the line."""
+    """Typed access to the fields of one text record, with errors that name the line. A field
+    that is missing or absent (`-`) reads as the default (or fails when required)."""
 
-    def __init__(self, fields: dict[str, str], where: str) -> None:
+    _MISSING = object()
+
+    def __init__(self, fields: dict[str, str | None], where: str) -> None:
         self.fields = dict(fields)
         self.where = where
 
     def _take(self, key: str, required: bool) -> str | None:
-        if key not in self.fields:
+        value = self.fields.pop(key, self._MISSING)
+        if value is self._MISSING or value is None:
             if required:
                 raise ParseError(f"{self.where}: missing field {key!r}")
             return None
-        return self.fields.pop(key)
+        return value  # type: ignore[return-value]
+
+    def _convert(self, key: str, raw: str, kind: type, what: str):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ParseError(f"{self.where}: field {key!r} must be {what}, got {raw!r}") from None
 
     def str(self, key: str, default: str | None = None, required: bool = True) -> str:
         raw = self._take(key, required and default is None)
@@ -98,45 +112,23 @@ class FieldReader:
 
     def int(self, key: str, default: int | None = None) -> int:
         raw = self._take(key, default is None)
-        if raw is None:
-            assert default is not None
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ParseError(f"{self.where}: field {key!r} must be an integer, got {raw!r}") from None
+        return default if raw is None else self._convert(key, raw, int, "an integer")  # type: ignore[return-value]
 
     def optional_int(self, key: str) -> int | None:
         raw = self._take(key, False)
-        if raw is None or raw == ABSENT:
-            return None
-        try:
-            return int(raw)
-        except ValueError:
-            raise ParseError(f"{self.where}: field {key!r} must be an integer, got {raw!r}") from None
+        return None if raw is None else self._convert(key, raw, int, "an integer")
 
     def float(self, key: str, default: float | None = None) -> float:
         raw = self._take(key, default is None)
-        if raw is None:
-            assert default is not None
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise ParseError(f"{self.where}: field {key!r} must be a number, got {raw!r}") from None
+        return default if raw is None else self._convert(key, raw, float, "a number")  # type: ignore[return-value]
 
     def optional_float(self, key: str) -> float | None:
         raw = self._take(key, False)
-        if raw is None or raw == ABSENT:
-            return None
-        try:
-            return float(raw)
-        except ValueError:
-            raise ParseError(f"{self.where}: field {key!r} must be a number, got {raw!r}") from None
+        return None if raw is None else self._convert(key, raw, float, "a number")
 
     def ints(self, key: str) -> tuple[int, ...]:
         raw = self._take(key, False)
-        if raw is None or raw in ("", ABSENT):
+        if not raw:
             return ()
         try:
             return tuple(int(part) for part in raw.split(","))
@@ -145,11 +137,16 @@ class FieldReader:
 
     def strs(self, key: str) -> tuple[str, ...]:
         raw = self._take(key, False)
-        if raw is None or raw in ("", ABSENT):
+        if raw is None or raw == "":
             return ()
-        return tuple(json.loads(raw)) if raw.startswith("[") else tuple(raw.split(","))
+        if raw.startswith("["):
+            try:
+                return tuple(json.loads(raw))
+            except json.JSONDecodeError:
+                raise ParseError(f"{self.where}: field {key!r} is not a valid JSON list: {raw!r}") from None
+        return tuple(raw.split(","))
 
-    def rest(self) -> dict[str, str]:
+    def rest(self) -> dict[str, str | None]:
         """Fields not read yet (for records with open-ended extras)."""
         rest, self.fields = self.fields, {}
         return rest
@@ -161,7 +158,8 @@ class FieldReader:
 
 def format_strs(items: tuple[str, ...]) -> str:
     """A tuple of names as one value: comma-joined, or a JSON list when a name needs it."""
-    if all(item and "," not in item and _BARE.match(item) and not item.startswith("[") for item in items):
+    if all(item and item != ABSENT and "," not in item and _BARE.fullmatch(item) and not item.startswith("[")
+           for item in items):
         return ",".join(items)
     return json.dumps(list(items), separators=(",", ":"))
 

@@ -1,0 +1,308 @@
+"""profile: LayerGraph + one example batch -> CostTable measured on the model's device, the pass `profile`.
+
+Consumes a traced LayerGraph and the batch it was traced with (plus the target when the graph
+ends in a loss); produces a CostTable with measured `forward_ms`, `backward_ms` (input plus
+weight gradient) and `backward_weight_ms` per layer, and byte counts from the real tensors.
+
+How. The whole graph runs once (no autograd) to capture every tensor that crosses a layer
+boundary. Each layer is then cut out as its own GraphModule (its nodes, placeholders for the
+tensors it reads from other layers and model inputs, outputs for the tensors later layers read)
+and run alone on the captured inputs, so layers are timed separately:
+- F: the layer's forward with autograd recording (as in training);
+- B+W: `torch.autograd.grad(outputs, layer inputs + parameters)`, the full backward;
+- B alone: `torch.autograd.grad(outputs, layer inputs)` (autograd skips the weight-gradient
+  matmuls nobody asked for), and W alone: `torch.autograd.grad(outputs, parameters)`. Each alone
+  also walks the backward they share (the gradients flowing through the layer), so their sum
+  overshoots B+W; W is the full backward's share in proportion, W = (B+W) * W_alone / (B_alone +
+  W_alone), which stays positive and below B+W however noisy the timer (a difference would not).
+Backward passes reuse one recorded forward (`retain_graph=True`) with random output gradients.
+Each measurement is warmed up, then the median of `repeats` runs. Timers: `time.perf_counter` on
+CPU; on CUDA `triton.testing.do_bench` when triton imports (median), else CUDA events, with a
+synchronize around each run. Bytes: activation bytes are what autograd saves during the layer's
+forward (saved-tensor hooks; parameters and duplicates not counted), output bytes the tensors
+sent to later layers, parameter bytes the layer's parameters.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from octopipe.errors import ExecutionError
+from octopipe.ir.costs import CostTable, LayerCost
+from octopipe.ir.graph import Layer, LayerGraph
+
+__all__ = ["LayerModule", "layer_modules", "profile_costs"]
+
+
+def profile_costs(
+    graph: LayerGraph,
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    example_target: torch.Tensor | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: torch.device | str | None = None,
+) -> CostTable:
+    """Measure F, B and W of every layer of `graph` on one example batch (see the module docstring)."""
+    if graph.module is None:
+        raise ExecutionError(
+            "profile_costs: this LayerGraph has no traced module (it was parsed from text); trace the model"
+        )
+    if repeats < 1 or warmup < 0:
+        raise ExecutionError(
+            f"profile_costs: repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
+        )
+    gm: fx.GraphModule = graph.module
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    if example_target is not None:
+        inputs = inputs + (example_target,)
+    if len(inputs) != len(graph.inputs):
+        raise ExecutionError(
+            f"profile_costs: the graph takes {len(graph.inputs)} inputs {list(graph.inputs)}, got {len(inputs)}; "
+            "pass the example batch it was traced with (and example_target when it was traced with a loss)"
+        )
+    target_device = _device_of(gm, inputs, device)
+    inputs = tuple(t.to(target_device) if isinstance(t, torch.Tensor) else t for t in inputs)
+    timer = _Timer(target_device, repeats, warmup)
+    captured = _capture(gm, inputs, graph)
+    layers = []
+    for layer, sub in zip(graph.layers, layer_modules(graph)):
+        layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs)))
+    return CostTable(tuple(layers), model=graph.model)
+
+
+# ---------------------------------------------------------------------------- cutting the graph
+
+
+@dataclass(frozen=True)
+class LayerModule:
+    """One layer as a runnable GraphModule: `module(*[captured[name] for name in inputs])`
+    returns the values named `outputs` (tensors later layers read, and the model output)."""
+
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def layer_modules(graph: LayerGraph) -> list[LayerModule]:
+    """Cut `graph.module` into one GraphModule per layer (sharing the model's parameters)."""
+    gm: fx.GraphModule = graph.module
+    nodes = {node.name: node for node in gm.graph.nodes}
+    layer_of = graph.layer_of_node()
+    cut: list[LayerModule] = []
+    for layer in graph.layers:
+        members = [nodes[name] for name in layer.nodes]
+        member_set = set(members)
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[str] = []
+        for node in members:
+            for source in node.all_input_nodes:
+                if source not in member_set and source not in env:
+                    env[source] = sub.placeholder(source.name)
+                    inputs.append(source.name)
+        outputs: list[str] = []
+        result: list[Any] = []
+        for node in members:
+            if node.op == "output":
+                result.append(fx.map_arg(node.args[0], env.__getitem__))
+                outputs.append("output")
+                continue
+            env[node] = sub.node_copy(node, env.__getitem__)
+            if any(layer_of.get(user.name) != layer.index for user in node.users):
+                outputs.append(node.name)
+                result.append(env[node])
+        sub.output(tuple(result))
+        cut.append(
+            LayerModule(fx.GraphModule(gm, sub, class_name=f"Layer{layer.index}"), tuple(inputs), tuple(outputs))
+        )
+    return cut
+
+
+class _Capture(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, keep: set[str]) -> None:
+        super().__init__(gm)
+        self.keep = keep
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name in self.keep:
+            self.values[n.name] = result
+        return result
+
+
+def _capture(gm: fx.GraphModule, inputs: tuple[Any, ...], graph: LayerGraph) -> dict[str, Any]:
+    keep = {edge.name for edge in graph.edges} | set(graph.inputs)
+    capture = _Capture(gm, keep)
+    try:
+        with torch.no_grad():
+            capture.run(*inputs)
+    except Exception as exc:  # noqa: BLE001 - reported with the layer
+        raise ExecutionError(
+            f"profile_costs: the traced model failed on the example batch: {type(exc).__name__}: {exc}"
+        ) from None
+    return capture.values
+
+
+def _device_of(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.device | str | None) -> torch.device:
+    tensors = [*gm.parameters(), *gm.buffers()]
+    model_device = tensors[0].device if tensors else None
+    if any(t.is_meta for t in tensors):
+        raise ExecutionError(
+            "profile_costs: the model is on the meta device (no data to run); profile a real model, "
+            "or use analytic_costs for meta-device planning"
+        )
+    if device is not None:
+        wanted = torch.device(device)
+        if model_device is not None and model_device.type != wanted.type:
+            raise ExecutionError(
+                f"profile_costs: the model is on {model_device} but device={wanted} was asked for; move the model "
+                f"(model.to({str(wanted)!r})) and trace again, or drop device="
+            )
+        return wanted
+    if model_device is not None:
+        return model_device
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+class _Timer:
+    """Median milliseconds of a callable after warm-up, with the device's own clock."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device = device
+        self.repeats = repeats
+        self.warmup = warmup
+        self.do_bench: Callable[..., float] | None = None
+        if device.type == "cuda":  # only a CUDA device ever imports triton
+            try:
+                from triton.testing import do_bench
+            except ImportError:
+                do_bench = None
+            self.do_bench = do_bench
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.device.type != "cuda":
+            for _ in range(self.warmup):
+                fn()
+            times = []
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+        times = [self._cuda_once(fn) for _ in range(max(self.warmup, 1))]
+        if self.do_bench is not None:
+            # do_bench takes time budgets (ms), not counts: give it about warmup / repeats runs
+            # (it also flushes the L2 cache between runs, as a real step would find it).
+            once = max(times[-1], 1e-3)
+            return float(self.do_bench(fn, warmup=once * self.warmup, rep=once * self.repeats, return_mode="median"))
+        return statistics.median(self._cuda_once(fn) for _ in range(self.repeats))
+
+    def _cuda_once(self, fn: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return start.elapsed_time(end)
+
+
+# ---------------------------------------------------------------------------- one layer
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _flat_tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _flat_tensors(item)]
+    return []
+
+
+def _measure(
+    layer: Layer, sub: LayerModule, captured: dict[str, Any], timer: _Timer, model_inputs: frozenset[str]
+) -> LayerCost:
+    params = [p for p in sub.module.parameters() if p.requires_grad]
+    param_ids = {p.data_ptr() for p in sub.module.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in sub.module.parameters())
+
+    def fresh_inputs() -> list[Any]:
+        values = []
+        for name in sub.inputs:
+            value = captured[name]
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                if value.is_floating_point() and name not in model_inputs:  # activations; model inputs need no grad
+                    value = value.clone().requires_grad_(True)
+            values.append(value)
+        return values
+
+    inputs = fresh_inputs()
+    act_inputs = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
+
+    def forward() -> Any:
+        return sub.module(*inputs)
+
+    try:
+        forward_ms = timer(forward)
+        saved: dict[tuple[int, int, tuple[int, ...]], int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.data_ptr() not in param_ids:
+                saved[(tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))] = (
+                    tensor.numel() * tensor.element_size()
+                )
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outputs = forward()
+        activation_bytes = sum(saved.values())
+        out_tensors = [t for t in _flat_tensors(outputs) if t.requires_grad]
+        output_bytes = sum(
+            t.numel() * t.element_size()
+            for name, value in zip(sub.outputs, outputs)
+            if name != "output"
+            for t in _flat_tensors(value)
+        )
+        backward_ms = input_only_ms = weight_only_ms = 0.0
+        if out_tensors and (act_inputs or params):
+            grads = [torch.randn_like(t) for t in out_tensors]
+
+            def grad_of(wrt: list[torch.Tensor]) -> Callable[[], Any]:
+                return lambda: torch.autograd.grad(out_tensors, wrt, grads, retain_graph=True, allow_unused=True)
+
+            backward_ms = timer(grad_of(act_inputs + params))
+            input_only_ms = timer(grad_of(act_inputs)) if act_inputs else 0.0
+            weight_only_ms = timer(grad_of(params)) if params else 0.0
+    except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
+        raise ExecutionError(
+            f"profile_costs: layer {layer.index} ({layer.name!r}) failed: {type(exc).__name__}: {exc}"
+        ) from None
+    # B alone and W alone each re-walk the part of the backward they share; split the measured
+    # full backward between them in proportion.
+    both = input_only_ms + weight_only_ms
+    weight_ms = min(backward_ms, backward_ms * weight_only_ms / both) if both > 0 else 0.0
+    return LayerCost(
+        name=layer.name,
+        kind=layer.kind,
+        forward_ms=forward_ms,
+        backward_ms=backward_ms,
+        backward_weight_ms=weight_ms,
+        activation_bytes=int(activation_bytes),
+        output_bytes=int(output_bytes),
+        param_bytes=int(param_bytes),
+    )

@@ -1,0 +1,180 @@
+"""CostTable / LayerCost: text form, JSON and YAML files, and errors that name file, layer and field."""
+
+import json
+import math
+
+import pytest
+import sympy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from octopipe import CostTable, CostTableError, LayerCost, ParseError
+from octopipe.ir.costs import DEFAULT_WEIGHT_FRACTION
+
+
+def small_table() -> CostTable:
+    return CostTable(
+        (
+            LayerCost("embed", "embedding", 0.4, 0.6, 0.2, 1024, 2048, 4096, (("forward_flops", "0"),)),
+            LayerCost(
+                "layers.0", "block", 1.0, 2.0, None, 10, 20, 30, (("forward_flops", "24*b*s**2 + b*s*Min(2048, s)"),)
+            ),
+            LayerCost("head", "head", 2.5, 3.0),
+        ),
+        model="tiny",
+    )
+
+
+def test_text_round_trip_and_formulas():
+    table = small_table()
+    text = str(table)
+    assert CostTable.parse(text) == table
+    assert str(CostTable.parse(text)) == text
+    formula = table[1].formula("forward_flops")
+    assert formula.subs({sympy.Symbol("b"): 2, sympy.Symbol("s"): 4096}) == 24 * 2 * 4096**2 + 2 * 4096 * 2048
+    assert table.weight == (0.2, 1.0, 1.5)  # stated, else weight_fraction of the backward
+    with pytest.raises(KeyError, match="has no formula 'bytes'"):
+        table[0].formula("bytes")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_file_round_trip(tmp_path, suffix):
+    table = small_table()
+    path = tmp_path / f"profile{suffix}"
+    table.save(path)
+    assert CostTable.load(path) == table
+
+
+def test_model_name_defaults_to_the_file_stem(tmp_path):
+    path = tmp_path / "gpt-13B.json"
+    path.write_text(json.dumps({"layers": [{"name": "l0", "forward_ms": 1, "backward_ms": 2}], "source": "ignored"}))
+    table = CostTable.load(path)
+    assert table.model == "gpt-13B"
+    assert table[0].backward_weight_ms is None and table.weight_fraction == DEFAULT_WEIGHT_FRACTION
+
+
+# ---------------------------------------------------------------------------- generated tables
+
+awkward = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)) | st.sampled_from(list(" ,=\"'[]\\\n\t-=x")),
+    max_size=12,
+)
+# Includes "-" and trailing newlines: both are quoted, so neither is read back as "absent".
+names = awkward.filter(bool)
+times = st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
+byte_counts = st.none() | st.integers(0, 2**60)
+formula_keys = st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True)
+
+
+@st.composite
+def tables(draw):
+    layers = []
+    for index in range(draw(st.integers(1, 6))):
+        backward = draw(times)
+        weight = draw(st.none() | st.floats(0, 1, allow_nan=False).map(lambda f, total=backward: total * f))
+        formulas = draw(st.dictionaries(formula_keys, names, max_size=3))
+        layers.append(
+            LayerCost(
+                name=draw(names) + f"#{index}",
+                kind=draw(names),
+                forward_ms=draw(times),
+                backward_ms=backward,
+                backward_weight_ms=weight,
+                activation_bytes=draw(byte_counts),
+                output_bytes=draw(byte_counts),
+                param_bytes=draw(byte_counts),
+                formulas=tuple(formulas.items()),
+            )
+        )
+    model = draw(st.just("") | names)
+    return CostTable(tuple(layers), model=model, weight_fraction=draw(st.floats(0, 1, allow_nan=False)))
+
+
+@given(tables())
+@settings(max_examples=120, deadline=None)
+def test_generated_tables_round_trip_as_text_and_json(table):
+    assert CostTable.parse(str(table)) == table
+    assert CostTable.from_dict(json.loads(table.to_json())) == table
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def write(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+GOOD = {"name": "l0", "kind": "block", "forward_ms": 1.0, "backward_ms": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('{"layers": [', r"not valid JSON at line 1 column"),
+        ([1, 2], r"expected an object with a 'layers' list, got list"),
+        ({"layers": []}, r"'layers' must be a non-empty list"),
+        ({"layers": [GOOD], "weight_fraction": 2}, r"'weight_fraction' must be a number in \[0, 1\]"),
+        ({"layers": [GOOD, "oops"]}, r"layer 1: expected an object with forward_ms/backward_ms, got str"),
+        ({"layers": [GOOD, {"name": "l1", "backward_ms": 1}]}, r"layer 1 \('l1'\): missing field 'forward_ms'"),
+        (
+            {"layers": [{**GOOD, "forward_ms": -1}]},
+            r"layer 0 \('l0'\): field 'forward_ms' must be a non-negative number",
+        ),
+        (
+            {"layers": [{**GOOD, "forward_ms": "fast"}]},
+            r"layer 0 \('l0'\): field 'forward_ms' must be a non-negative number",
+        ),
+        (
+            {"layers": [{**GOOD, "backward_weight_ms": 3.0}]},
+            r"layer 0 \('l0'\): backward_weight_ms=3.0 exceeds backward_ms=2.0",
+        ),
+        (
+            {"layers": [{**GOOD, "activation_bytes": 1.5}]},
+            r"layer 0 \('l0'\): field 'activation_bytes' must be a non-negative integer",
+        ),
+        ({"layers": [{**GOOD, "kind": 3}]}, r"layer 0 \('l0'\): field 'kind' must be a string"),
+        ({"layers": [{**GOOD, "name": ""}]}, r"layer 0: field 'name' must be a non-empty string"),
+        (
+            {"layers": [{**GOOD, "formulas": {"forward_flops": 3}}]},
+            r"layer 0 \('l0'\): field 'formulas' must map names",
+        ),
+        ({"layers": [GOOD, GOOD]}, r"layer 1 \('l0'\): name already used by layer 0"),
+    ],
+)
+def test_load_errors_name_file_layer_and_field(tmp_path, content, expected):
+    path = write(tmp_path, "bad.json", content)
+    with pytest.raises(CostTableError, match=expected) as info:
+        CostTable.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_errors_for_missing_and_bad_yaml_files(tmp_path):
+    with pytest.raises(CostTableError, match="cannot read cost table"):
+        CostTable.load(tmp_path / "missing.json")
+    path = write(tmp_path, "bad.yaml", "layers: [unclosed\n")
+    with pytest.raises(CostTableError, match=f"{path}: not valid YAML"):
+        CostTable.load(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "cost table text is empty"),
+        ("costs layers=1\nstage 0\n", "expected 'layer ...'"),
+        ("costs layers=2\nlayer name=a kind=b forward_ms=1 backward_ms=2\n", "header says layers=2, found 1"),
+        ("costs layers=1\nlayer name=a kind=b forward_ms=x backward_ms=2\n", "field 'forward_ms' must be a number"),
+        ("costs layers=1\nlayer name=a kind=b forward_ms=1 backward_ms=2 color=red\n", "unknown field 'color'"),
+    ],
+)
+def test_text_parse_errors(text, expected):
+    with pytest.raises(ParseError, match=expected):
+        CostTable.parse(text)
+
+
+def test_constructor_checks_layers():
+    with pytest.raises(CostTableError, match="has no layers"):
+        CostTable(())
+    with pytest.raises(CostTableError, match=r"layer 0 \('a'\): field 'backward_ms'"):
+        CostTable((LayerCost("a", forward_ms=1.0, backward_ms=math.nan),))

@@ -1,0 +1,130 @@
+"""profile_costs: per-layer F / B / W measured on the device, bytes from real tensors; layer cutting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from octopipe import CostTable, ExecutionError
+from octopipe.models import MODEL_NAMES, build, config, example_inputs, example_target, lm_loss
+from octopipe.passes.profile import layer_modules, profile_costs
+from octopipe.passes.trace import trace
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def traced(name: str, batch_size: int = 2):
+    torch.manual_seed(0)
+    model = build(name, "tiny")
+    inputs = example_inputs(name, "tiny", batch_size=batch_size)
+    target = example_target(name, "tiny", batch_size=batch_size)
+    return model, inputs, target, trace(model, inputs, loss_fn=lm_loss, example_target=target)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_profiles_every_layer_of_the_reference_models(name):
+    model, inputs, target, graph = traced(name)
+    table = profile_costs(graph, inputs, example_target=target, repeats=3, warmup=1)
+    assert isinstance(table, CostTable)
+    assert [c.name for c in table] == [layer.name for layer in graph.layers]
+    assert [c.kind for c in table] == [layer.kind for layer in graph.layers]
+    cfg = config(name, "tiny")
+    for cost, layer in zip(table, graph.layers):
+        assert cost.forward_ms > 0 and cost.backward_ms > 0, cost
+        assert 0 <= cost.backward_weight_ms <= cost.backward_ms
+        assert cost.param_bytes == layer.num_params * 4  # fp32 model
+        if layer.kind == "block":
+            assert cost.output_bytes == 2 * cfg.max_seq_len * cfg.hidden_size * 4
+            assert cost.activation_bytes > cost.output_bytes  # a block keeps more than its output
+            assert cost.backward_weight_ms > 0
+        if layer.kind == "loss":
+            assert cost.backward_weight_ms == 0 and cost.output_bytes == 0
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, inner: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, inner)
+        self.down = nn.Linear(inner, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoWidths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 128)
+        self.layers = nn.ModuleList([Block(128, 256), Block(128, 1024)])  # the second is 4x wider
+        self.head = nn.Linear(128, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_heavier_layers_measure_more_and_backward_is_at_least_forward():
+    torch.manual_seed(0)
+    model = TwoWidths()
+    ids, target = torch.randint(0, 64, (8, 64)), torch.randint(0, 64, (8, 64))
+    graph = trace(model, (ids,), loss_fn=lm_loss, example_target=target)
+    table = profile_costs(graph, (ids,), example_target=target, repeats=7, warmup=2)
+    narrow, wide = table[1], table[2]
+    assert wide.forward_ms > 1.5 * narrow.forward_ms
+    assert wide.backward_ms > 1.5 * narrow.backward_ms
+    assert wide.activation_bytes > narrow.activation_bytes and wide.param_bytes > 3 * narrow.param_bytes
+    for cost in (narrow, wide):
+        assert cost.backward_ms >= 0.8 * cost.forward_ms  # B + W is about twice F for matmuls
+        assert cost.backward_weight_ms > 0
+
+
+def test_cut_layers_run_in_sequence_reproduce_the_model():
+    model, inputs, target, graph = traced("multimodal")
+    values = dict(zip(graph.inputs, (*inputs, target)))
+    for cut in layer_modules(graph):
+        outputs = cut.module(*[values[name] for name in cut.inputs])
+        values.update(zip(cut.outputs, outputs))
+    torch.testing.assert_close(values["output"], lm_loss(model(*inputs), target))
+    # each cut module holds the model's own parameters
+    named = dict(model.named_parameters())
+    for cut in layer_modules(graph):
+        for name, parameter in cut.module.named_parameters():
+            assert parameter is named[name]
+
+
+def test_profile_errors():
+    _, inputs, target, graph = traced("llama")
+    with pytest.raises(ExecutionError, match=r"takes 2 inputs \['input_ids', 'target'\], got 1"):
+        profile_costs(graph, inputs)
+    with pytest.raises(ExecutionError, match="repeats must be >= 1"):
+        profile_costs(graph, inputs, example_target=target, repeats=0)
+    with torch.device("meta"):
+        model = build("llama", "tiny")
+        meta_inputs = example_inputs("llama", "tiny", batch_size=2)
+        meta_target = example_target("llama", "tiny", batch_size=2)
+    meta_graph = trace(model, meta_inputs, loss_fn=lm_loss, example_target=meta_target)
+    with pytest.raises(ExecutionError, match="the model is on the meta device"):
+        profile_costs(meta_graph, meta_inputs, example_target=meta_target)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profiles_on_the_gpu():
+    torch.manual_seed(0)
+    model = build("llama", "tiny").cuda()
+    inputs = tuple(t.cuda() for t in example_inputs("llama", "tiny", batch_size=4))
+    target = example_target("llama", "tiny", batch_size=4).cuda()
+    graph = trace(model, inputs, loss_fn=lm_loss, example_target=target)
+    table = profile_costs(graph, inputs, example_target=target, repeats=5, warmup=2)
+    assert all(c.forward_ms > 0 and c.backward_ms >= c.backward_weight_ms >= 0 for c in table)
