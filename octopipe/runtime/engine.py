@@ -1,0 +1,595 @@
+"""Engine: runs one rank's RankProgram over its StageModules, one training iteration per `step`.
+
+Consumes the rank's `StageModule`s (runtime/stage.py) and its `RankProgram` (ir/program.py);
+produces the mean loss (on every rank) and the gradients in `.grad` of this rank's parameters.
+Nothing here imports from passes/: the program and the stages are all it needs.
+
+Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
+- `recv_*` posts a non-blocking receive into fresh buffers (shapes from the stage specs);
+- `send_*` starts a non-blocking send of data that exists (kept alive until `step`);
+- `forward` / `backward*` wait only for their own received inputs, then compute; transfers run
+  beside compute (gloo's threads on CPU, a communication stream on GPU);
+- same-rank stage hand-offs are local: the consumer gets a detached leaf of the producer's output;
+- every stage's inputs are leaves, so each stage's backward is separate: B (`backward` or
+  `backward_input`) backpropagates its outputs' gradients (the loss stage: loss / num_microbatches)
+  into parameters and input leaves, whose gradients go to the producers; `backward_input` opens a
+  `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
+  a microbatch's activations are dropped as soon as its last backward op on the stage ran;
+- `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
+  it (a process group per tied rank set, created collectively in the constructor);
+- `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
+  the mean loss over microbatches.
+
+Gradients accumulate into `.grad` like `loss.backward()`; call `zero_grad()` (or
+`optimizer_step()`, which steps the attached optimizer and zeroes) between iterations.
+
+State and checkpoints, keyed by the original model's parameter names so they move across plans,
+rank counts and the plain model: `state_dict()` is this rank's shard {"model": {name: tensor},
+"optimizer": {"state": {name: ...}, "param_groups": [{..., "params": [names]}]}};
+`merge_state_dicts(shards)` unions shards; `gather_state_dict()` does that on rank 0 (collective);
+`load_state_dict(full_or_shard)` takes what this rank holds; `save_checkpoint(path)` gathers to
+rank 0 and writes atomically (temporary file, fsync, os.replace), `load_checkpoint(path)` reads it
+on every rank; `load_into_model` / `load_optimizer_state` put a merged state into a plain model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from octopipe.errors import ExecutionError
+from octopipe.ir.program import InstrKind, Instruction, RankProgram
+from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
+from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
+
+
+class _Slot:
+    """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients."""
+
+    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash")
+
+    def __init__(self, num_outputs: int) -> None:
+        self.inputs: list[Tensor] | None = None
+        self.outputs: tuple[Tensor, ...] | None = None
+        self.output_grads: list[Tensor | None] = [None] * num_outputs
+        self.input_grads: list[Tensor | None] | None = None
+        self.stash: WeightGradStash | None = None
+
+
+class Engine:
+    """One rank of a pipeline: `step(inputs, target)` runs the program once and returns the loss."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        stages: Sequence[StageModule],
+        program: RankProgram,
+        num_microbatches: int,
+        *,
+        timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
+        optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        if program.rank != rank or program.num_ranks != world_size:
+            raise ExecutionError(f"rank {rank}: program is for rank {program.rank} of {program.num_ranks}, "
+                                 f"engine is rank {rank} of {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.program = program
+        self.num_microbatches = num_microbatches
+        self.stages = {stage.index: stage for stage in stages}
+        for instruction in program.instructions:
+            if instruction.stage is not None and instruction.stage not in self.stages:
+                raise ExecutionError(f"rank {rank}: program runs stage {instruction.stage} but this rank was given "
+                                     f"stages {sorted(self.stages)}")
+        first = next((p for s in stages for p in s.module.parameters()), None)
+        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        self.transport = Transport(rank, world_size, self.device, timeout_s)
+        self._params = self._tie_local_parameters()
+        self._plan_inputs()
+        self._tied_groups = self._make_tied_groups()
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.attach_optimizer(optimizer)
+        self._handlers = {
+            InstrKind.RECV_ACT: self._recv_act, InstrKind.RECV_GRAD: self._recv_grad,
+            InstrKind.SEND_ACT: self._send_act, InstrKind.SEND_GRAD: self._send_grad,
+            InstrKind.FORWARD: self._forward, InstrKind.BACKWARD: self._backward,
+            InstrKind.BACKWARD_INPUT: self._backward_input, InstrKind.BACKWARD_WEIGHT: self._backward_weight,
+            InstrKind.REDUCE_TIED: self._reduce_tied, InstrKind.STEP: self._step,
+        }
+
+    # -- setup --------------------------------------------------------------------------------------
+    def _tie_local_parameters(self) -> dict[str, nn.Parameter]:
+        """Original name -> parameter; stages on this rank that hold the same original parameter are
+        made to share one object (so its gradient accumulates once, as in the plain model)."""
+        params: dict[str, nn.Parameter] = {}
+        for index in sorted(self.stages):
+            stage = self.stages[index]
+            for local, param in list(stage.module.named_parameters(remove_duplicate=False)):
+                name = stage.original_name(local)
+                if name not in params:
+                    params[name] = param
+                elif params[name] is not param:
+                    owner, _, attr = local.rpartition(".")
+                    setattr(stage.module.get_submodule(owner) if owner else stage.module, attr, params[name])
+        return params
+
+    def _plan_inputs(self) -> None:
+        """Per stage: where each input comes from, and the message layouts to/from peers."""
+        self._fetch: dict[int, list[tuple[str, int, int]]] = {}
+        self._recv_layout: dict[tuple[int, int], list[int]] = {}  # (producer, consumer) -> consumer input positions
+        for index, stage in self.stages.items():
+            fetch = []
+            for src in stage.inputs:
+                if src.is_batch:
+                    fetch.append(("batch", src.index, 0))
+                elif src.stage in self.stages:
+                    fetch.append(("local", src.stage, src.index))
+                else:
+                    fetch.append(("remote", src.stage, src.index))
+            self._fetch[index] = fetch
+            for producer in stage.producers():
+                self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
+
+    def _make_tied_groups(self) -> dict[tuple[int, ...], Any]:
+        mine = sorted({i.ranks for i in self.program.instructions if i.kind is InstrKind.REDUCE_TIED})
+        if self.world_size == 1 or not dist.is_initialized():
+            return {}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        groups = {}
+        for ranks in sorted({tuple(r) for ranks_list in everyone for r in ranks_list}):
+            group = dist.new_group(list(ranks))  # every rank calls new_group, in the same order
+            if self.rank in ranks:
+                groups[tuple(ranks)] = group
+        return groups
+
+    # -- parameters and optimizer ------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(original qualified name, parameter) for what this rank holds; a tied one once."""
+        return iter(self._params.items())
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params.values())
+
+    def named_buffers(self) -> Iterator[tuple[str, Tensor]]:
+        """(original name, buffer) of this rank's persistent buffers (those a state dict holds)."""
+        seen: set[str] = set()
+        for stage in self.stages.values():
+            for local, buffer in stage.module.named_buffers():
+                owner, _, attr = local.rpartition(".")
+                if attr in (stage.module.get_submodule(owner) if owner else stage.module)._non_persistent_buffers_set:
+                    continue
+                name = stage.original_name(local)
+                if name not in seen:
+                    seen.add(name)
+                    yield name, buffer
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """An optimizer over `parameters()`, or a factory called with them."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.parameters())
+        own = {id(p) for p in self._params.values()}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in own:
+                    raise ExecutionError(f"rank {self.rank}: the optimizer holds a parameter this rank does not "
+                                         "(build it over engine.parameters())")
+        self.optimizer = optimizer
+        return optimizer
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+
+    def optimizer_step(self) -> None:
+        """Step the attached optimizer with the gradients of the last `step`, then zero them."""
+        if self.optimizer is None:
+            raise ExecutionError(f"rank {self.rank}: optimizer_step without an optimizer; call attach_optimizer first")
+        self.optimizer.step()
+        self.zero_grad()
+
+    # -- one iteration ---------------------------------------------------------------------------------
+    def step(self, inputs: Sequence[Tensor], target: Tensor | None = None) -> float:
+        """Run the program on one full batch (cut along dim 0 into microbatches): the mean loss."""
+        batch = (*inputs, target) if target is not None else tuple(inputs)
+        count = self.num_microbatches
+        self._micro: list[tuple[Tensor, ...]] = []
+        if any(kind == "batch" for fetch in self._fetch.values() for kind, _, _ in fetch):
+            for position, tensor in enumerate(batch):
+                if tensor.shape[0] % count:
+                    raise ExecutionError(f"rank {self.rank}: batch tensor {position} has {tensor.shape[0]} rows, not "
+                                         f"divisible into {count} microbatches")
+            chunks = [t.to(self.device, non_blocking=True).chunk(count) for t in batch]
+            self._micro = [tuple(chunk[m] for chunk in chunks) for m in range(count)]
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._inbox: dict[tuple[int, int, int, int], Pending] = {}
+        self._outgoing: list[Pending] = []
+        self._reductions: list[Pending] = []
+        self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._loss: float = float("nan")
+        self._scale = 1.0 / count
+        handlers = self._handlers
+        for position, instruction in enumerate(self.program.instructions):
+            self._position = position
+            try:
+                handlers[instruction.kind](instruction)
+            except ExecutionError:
+                raise
+            except Exception as exc:
+                raise ExecutionError(f"rank {self.rank}: step {position} ({instruction}): {type(exc).__name__}: {exc}") from exc
+        return self._loss
+
+    def _where(self, instruction: Instruction) -> str:
+        return f"step {self._position} ({instruction})"
+
+    def _lazy_where(self, instruction: Instruction) -> Callable[[], str]:
+        position = self._position
+        return lambda: f"step {position} ({instruction})"
+
+    def _slot(self, stage: int, microbatch: int) -> _Slot:
+        slot = self._slots.get((stage, microbatch))
+        if slot is None:
+            slot = self._slots[(stage, microbatch)] = _Slot(len(self.stages[stage].outputs))
+        return slot
+
+    # communication
+    def _recv_act(self, i: Instruction) -> None:
+        consumer, producer, m = i.stage, i.peer_stage, i.microbatch
+        specs = [self.stages[consumer].inputs[k].spec for k in self._recv_layout[(producer, consumer)]]
+        tags = [tag(KIND_ACT, producer, consumer, m, j) for j in range(len(specs))]
+        self._inbox[(KIND_ACT, producer, consumer, m)] = self.transport.irecv(
+            [(s.shape, s.dtype) for s in specs], i.peer, tags, self._lazy_where(i))
+
+    def _recv_grad(self, i: Instruction) -> None:
+        producer, consumer, m = i.stage, i.peer_stage, i.microbatch
+        stage = self.stages[producer]
+        specs = [stage.outputs[j] for j in stage.outputs_to(consumer) if stage.outputs[j].requires_grad]
+        if not specs:
+            return
+        tags = [tag(KIND_GRAD, producer, consumer, m, j) for j in range(len(specs))]
+        self._inbox[(KIND_GRAD, producer, consumer, m)] = self.transport.irecv(
+            [(s.shape, s.dtype) for s in specs], i.peer, tags, self._lazy_where(i))
+
+    def _send(self, tensors: list[Tensor], i: Instruction, kind: int, producer: int, consumer: int) -> None:
+        # drop finished sends first: a sent tensor is not kept alive until the end of the iteration
+        if self._outgoing:
+            still = []
+            for pending in self._outgoing:
+                if all(work.is_completed() for work in pending.works):
+                    self.transport.wait(pending, self._lazy_where(i))  # returns at once, or raises its error
+                else:
+                    still.append(pending)
+            self._outgoing = still
+        tags = [tag(kind, producer, consumer, i.microbatch, j) for j in range(len(tensors))]  # type: ignore[arg-type]
+        self._outgoing.append(self.transport.isend(tensors, i.peer, tags, self._lazy_where(i)))  # type: ignore[arg-type]
+
+    def _send_act(self, i: Instruction) -> None:
+        producer, consumer, m = i.stage, i.peer_stage, i.microbatch
+        slot = self._slots[(producer, m)]
+        assert slot.outputs is not None
+        tensors = [slot.outputs[j].detach().contiguous() for j in self.stages[producer].outputs_to(consumer)]
+        self._send(tensors, i, KIND_ACT, producer, consumer)
+
+    def _send_grad(self, i: Instruction) -> None:
+        consumer, producer, m = i.stage, i.peer_stage, i.microbatch
+        slot = self._slots[(consumer, m)]
+        stage = self.stages[consumer]
+        assert slot.input_grads is not None
+        tensors = []
+        for k in self._recv_layout[(producer, consumer)]:
+            if stage.inputs[k].spec.requires_grad:
+                grad = slot.input_grads[k]
+                tensors.append(grad.contiguous() if grad is not None else torch.zeros(stage.inputs[k].spec.shape,
+                               dtype=stage.inputs[k].spec.dtype, device=self.device))
+                slot.input_grads[k] = None
+        if tensors:
+            self._send(tensors, i, KIND_GRAD, producer, consumer)
+
+    # compute
+    def _forward(self, i: Instruction) -> None:
+        index, m = i.stage, i.microbatch
+        stage = self.stages[index]
+        args: list[Tensor] = []
+        received: dict[int, list[Tensor]] = {}
+        for (kind, a, b), src in zip(self._fetch[index], stage.inputs):
+            if kind == "batch":
+                args.append(self._micro[m][a])
+                continue
+            if kind == "local":
+                value = self._slots[(a, m)].outputs[b].detach()  # type: ignore[index]
+            else:
+                if a not in received:
+                    pending = self._inbox.pop((KIND_ACT, a, index, m), None)
+                    if pending is None:
+                        raise ExecutionError(f"rank {self.rank}: {self._where(i)}: activations from stage {a} were never "
+                                             "received (no recv_act before this forward)")
+                    received[a] = self.transport.wait(pending, self._lazy_where(i))
+                position = self._recv_layout[(a, index)].index(len(args))
+                value = received[a][position]
+            args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
+        with torch.enable_grad():
+            outputs = stage.module(*args)
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        slot = self._slot(index, m)
+        slot.inputs = args
+        slot.outputs = outputs
+        if stage.is_loss:
+            self._loss_sum += outputs[0].detach().float()
+
+    def _run_backward(self, i: Instruction, defer: bool) -> None:
+        index, m = i.stage, i.microbatch
+        stage = self.stages[index]
+        slot = self._slots[(index, m)]
+        assert slot.outputs is not None and slot.inputs is not None
+        tensors: list[Tensor] = []
+        grads: list[Tensor] = []
+        if stage.is_loss:
+            tensors.append(slot.outputs[0])
+            grads.append(torch.full_like(slot.outputs[0], self._scale))
+        else:
+            for consumer in stage.consumers():
+                if consumer in self.stages:
+                    continue
+                pending = self._inbox.pop((KIND_GRAD, index, consumer, m), None)
+                if pending is None:
+                    continue  # a message with no gradient tensors
+                layout = [j for j in stage.outputs_to(consumer) if stage.outputs[j].requires_grad]
+                for j, grad in zip(layout, self.transport.wait(pending, self._lazy_where(i))):
+                    current = slot.output_grads[j]
+                    slot.output_grads[j] = grad if current is None else current + grad
+            for j, spec in enumerate(stage.outputs):
+                grad = slot.output_grads[j]
+                if spec.requires_grad and grad is not None and slot.outputs[j].requires_grad:
+                    tensors.append(slot.outputs[j])
+                    grads.append(grad)
+        if tensors:
+            if defer:
+                slot.stash = WeightGradStash()
+                with deferred_weight_grads(slot.stash):
+                    torch.autograd.backward(tensors, grads)
+            else:
+                torch.autograd.backward(tensors, grads)
+        input_grads: list[Tensor | None] = [None] * len(stage.inputs)
+        for k, ((kind, a, b), src) in enumerate(zip(self._fetch[index], stage.inputs)):
+            if kind == "batch" or not src.spec.requires_grad:
+                continue
+            grad = slot.inputs[k].grad
+            if kind == "local":
+                if grad is not None:
+                    producer = self._slots[(a, m)]
+                    current = producer.output_grads[b]
+                    producer.output_grads[b] = grad if current is None else current + grad
+            else:
+                input_grads[k] = grad
+        # drop the microbatch's activations now; what remains is sent (input_grads) or run at W (stash)
+        slot.input_grads = input_grads
+        slot.inputs = None
+        slot.outputs = None
+        slot.output_grads = []
+
+    def _backward(self, i: Instruction) -> None:
+        self._run_backward(i, defer=False)
+
+    def _backward_input(self, i: Instruction) -> None:
+        self._run_backward(i, defer=True)
+
+    def _backward_weight(self, i: Instruction) -> None:
+        slot = self._slots[(i.stage, i.microbatch)]  # type: ignore[index]
+        if slot.stash is not None:
+            slot.stash.run()
+            slot.stash = None
+
+    # iteration end
+    def _reduce_tied(self, i: Instruction) -> None:
+        group = self._tied_groups.get(tuple(i.ranks))
+        param = self._params.get(i.param)  # type: ignore[arg-type]
+        if param is None:
+            raise ExecutionError(f"rank {self.rank}: {self._where(i)}: this rank holds no parameter {i.param!r}")
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if group is None and self.world_size > 1:
+            raise ExecutionError(f"rank {self.rank}: {self._where(i)}: no process group for ranks {i.ranks}")
+        if group is not None:
+            self._reductions.append(self.transport.all_reduce(param.grad, self._where(i), group))
+
+    def _step(self, i: Instruction) -> None:
+        for pending in self._outgoing:
+            self.transport.wait(pending, self._lazy_where(i))
+        self._outgoing = []
+        for pending in self._reductions:
+            self.transport.finish(pending)
+        self._reductions = []
+        if self._inbox:
+            raise ExecutionError(f"rank {self.rank}: {self._where(i)}: {len(self._inbox)} received messages were never "
+                                 f"used: {sorted(self._inbox)}")
+        loss = self._loss_sum * self._scale
+        if self.world_size > 1 and dist.is_initialized():
+            self.transport.finish(self.transport.all_reduce(loss, self._where(i)))
+        self._loss = float(loss)
+        self._slots.clear()
+        self._micro = []
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard, keyed by original names (see the module docstring)."""
+        model = {name: p.detach() for name, p in self._params.items()}
+        model.update({name: b.detach() for name, b in self.named_buffers()})
+        state: dict[str, Any] = {"model": model}
+        if self.optimizer is not None:
+            state["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the entries this rank holds from a full (merged) state or a shard."""
+        model = state["model"]
+        with torch.no_grad():
+            for name, param in self._params.items():
+                if name in model:
+                    param.copy_(model[name])
+                elif strict:
+                    raise ExecutionError(f"rank {self.rank}: state has no parameter {name!r}")
+            for name, buffer in self.named_buffers():
+                if name in model:
+                    buffer.copy_(model[name])
+        if self.optimizer is not None and "optimizer" in state:
+            load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
+        """Collective: the merged state of all ranks on rank `dst` (None elsewhere)."""
+        shard = self.state_dict()
+        if self.world_size == 1 or not dist.is_initialized():
+            return merge_state_dicts([shard])
+        cpu_shard = _to_cpu(shard)
+        shards: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(cpu_shard, shards, dst=dst)
+        return merge_state_dicts(shards) if shards is not None else None
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Collective: gather to rank 0, which writes `path` atomically; all ranks return after."""
+        state = self.gather_state_dict(0)
+        error = None
+        if self.rank == 0:
+            try:
+                atomic_save(state, path)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = exc
+        if self.world_size > 1 and dist.is_initialized():
+            flag = [error is not None]
+            dist.broadcast_object_list(flag, src=0)
+            if flag[0] and error is None:
+                raise ExecutionError(f"rank {self.rank}: checkpoint save to {os.fspath(path)!r} failed on rank 0")
+        if error is not None:
+            raise error
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+
+# -- state helpers (also for the plain model) -------------------------------------------------------
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter]) -> dict[str, Any]:
+    """optimizer.state_dict() with parameter names instead of positions."""
+    name_of = {id(p): name for name, p in named_parameters.items()}
+    raw = optimizer.state_dict()
+    position_name: dict[int, str] = {}
+    for group, raw_group in zip(optimizer.param_groups, raw["param_groups"]):
+        for param, position in zip(group["params"], raw_group["params"]):
+            position_name[position] = name_of[id(param)]
+    return {
+        "state": {position_name[k]: v for k, v in raw["state"].items()},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [position_name[p] for p in g["params"]]}
+                         for g in raw["param_groups"]],
+    }
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
+                         state: Mapping[str, Any]) -> None:
+    """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`."""
+    name_of = {id(p): name for name, p in named_parameters.items()}
+    groups = state["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ExecutionError(f"optimizer state has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}")
+    raw_state: dict[int, Any] = {}
+    raw_groups = []
+    position = 0
+    for group, saved in zip(optimizer.param_groups, groups):
+        positions = []
+        for param in group["params"]:
+            name = name_of[id(param)]
+            if name in state["state"]:
+                raw_state[position] = state["state"][name]
+            positions.append(position)
+            position += 1
+        raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
+    optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
+
+
+def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Union of per-rank shards: one entry per original name (tied copies are equal)."""
+    model: dict[str, Any] = {}
+    optimizer_state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    has_optimizer = False
+    for shard in shards:
+        for name, value in shard["model"].items():
+            model.setdefault(name, value)
+        if "optimizer" in shard:
+            has_optimizer = True
+            for name, value in shard["optimizer"]["state"].items():
+                optimizer_state.setdefault(name, value)
+            for index, group in enumerate(shard["optimizer"]["param_groups"]):
+                if index == len(groups):
+                    groups.append({**group, "params": []})
+                for name in group["params"]:
+                    if name not in groups[index]["params"]:
+                        groups[index]["params"].append(name)
+    merged: dict[str, Any] = {"model": model}
+    if has_optimizer:
+        merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
+    return merged
+
+
+def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Put a merged state into the plain model (and its optimizer): names are the model's own
+    (tied parameters under their first name)."""
+    entries = state["model"]
+    named = dict(model.named_parameters())
+    missing = [name for name in named if name not in entries]
+    if missing:
+        raise ExecutionError(f"state lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(entries[name])
+        for name, buffer in model.named_buffers():
+            if name in entries:
+                buffer.copy_(entries[name])
+    if optimizer is not None and "optimizer" in state:
+        load_optimizer_state(optimizer, named, state["optimizer"])
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """torch.save to a temporary file in the same directory, fsync, then os.replace: a crash
+    mid-save leaves the previous file intact."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

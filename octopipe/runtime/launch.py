@@ -1,0 +1,201 @@
+"""Start a local multi-process job, or join one started by torchrun.
+
+`launch(worker, nprocs, args)` is for one machine (tests, benchmarks, laptops): it starts `nprocs`
+processes, initializes torch.distributed in each (gloo on CPU over 127.0.0.1, NCCL with one GPU per
+process when there are enough GPUs), calls `worker(rank, world_size, *args)`, tears the process
+group down and returns the workers' return values as a list indexed by rank. Any worker's exception,
+crash or overrun of `timeout_s` ends the job: the parent kills the others and raises
+`ExecutionError` naming the rank, with the worker's traceback text.
+
+Start method: `fork` on Linux while CUDA is not initialized in the parent (fast: workers inherit
+the parent's imports and objects, so `worker` and `args` need not pickle), else `spawn` (then they
+must). Return values travel pickled by value (tensors included). CPU workers run with
+`torch.set_num_threads(1)`: ranks already use the cores, and gloo runs transfers on its own threads.
+The rendezvous store lives in rank 0 on a port the OS picked free just before: the parent runs no
+server thread, so nothing can hold a lock across the fork.
+
+`init_from_env()` is for real clusters under torchrun (env:// with RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, LOCAL_RANK set).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import pickle
+import queue as queue_module
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from octopipe.errors import ExecutionError
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def default_backend(nprocs: int) -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs and dist.is_nccl_available() else "gloo"
+
+
+def _child(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, worker: Callable[..., Any],
+           args: Sequence[Any], results: Any, stack_file: str) -> None:
+    try:
+        # on a timeout the parent sends SIGUSR1 first: every thread's stack goes to stack_file
+        stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the process
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=rank == 0, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s))
+        try:
+            value = worker(rank, nprocs, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                pass
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def launch(
+    worker: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run worker(rank, nprocs, *args) in nprocs processes; their return values, by rank."""
+    if nprocs < 1:
+        raise ExecutionError(f"launch needs nprocs >= 1, got {nprocs}")
+    backend = backend or default_backend(nprocs)
+    if start_method is None:
+        fork_ok = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+        start_method = "fork" if fork_ok else "spawn"
+    context = multiprocessing.get_context(start_method)
+    port = _free_port()
+    results = context.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="octopipe-launch-")
+    stack_files = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(nprocs)]
+    processes = [
+        context.Process(target=_child, args=(rank, nprocs, port, backend, timeout_s, worker, tuple(args), results,
+                                             stack_files[rank]),
+                        name=f"octopipe-rank{rank}", daemon=True)
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    grace_deadline: float | None = None
+    try:
+        while len(values) + len(failures) < nprocs:
+            now = time.monotonic()
+            if now > deadline or (grace_deadline is not None and now > grace_deadline):
+                break
+            try:
+                rank, status, payload = results.get(timeout=0.05)
+            except queue_module.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in values and rank not in failures and process.exitcode is not None:
+                        # give its queued message a moment to arrive before calling it a crash
+                        time.sleep(0.2)
+                        try:
+                            while True:
+                                r, status, payload = results.get_nowait()
+                                if status == "ok":
+                                    values[r] = pickle.loads(payload)
+                                else:
+                                    failures[r] = payload
+                        except queue_module.Empty:
+                            pass
+                        if rank not in values and rank not in failures:
+                            failures[rank] = f"process exited with code {process.exitcode} without returning (crashed or killed)"
+                if failures and grace_deadline is None:
+                    grace_deadline = time.monotonic() + 5.0
+                continue
+            if status == "ok":
+                values[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+                if grace_deadline is None:  # peers of a failed rank usually fail soon after; collect them briefly
+                    grace_deadline = time.monotonic() + 5.0
+    finally:
+        stuck = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for rank in stuck:
+            try:
+                os.kill(processes[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+            except OSError:
+                pass
+        if stuck:
+            time.sleep(0.5)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(5)
+        results.close()
+        stacks = {}
+        for rank in stuck:
+            try:
+                with open(stack_files[rank]) as handle:
+                    stacks[rank] = handle.read()
+            except OSError:
+                pass
+        for path in stack_files:
+            if os.path.exists(path):
+                os.remove(path)
+        os.rmdir(stack_dir)
+    if failures:
+        first = min(failures)
+        others = sorted(set(failures) - {first})
+        also = f" (ranks {others} failed too)" if others else ""
+        raise ExecutionError(f"worker rank {first} of {nprocs} failed{also}:\n{failures[first]}")
+    missing = [rank for rank in range(nprocs) if rank not in values]
+    if missing:
+        where = "".join(f"\n--- rank {rank} stacks ---\n{stacks[rank].strip()}" for rank in missing if stacks.get(rank))
+        raise ExecutionError(f"worker rank(s) {missing} of {nprocs} did not finish within timeout_s={timeout_s:g} s "
+                             f"(hung, or waiting on a peer); they were killed{where}")
+    return [values[rank] for rank in range(nprocs)]
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """Join the job torchrun started (env://): returns (rank, world_size)."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise ExecutionError(f"init_from_env needs {key} in the environment (run under torchrun), or use launch()")
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), world_size

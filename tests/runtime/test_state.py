@@ -1,0 +1,110 @@
+"""State dicts and checkpoints keyed by original parameter names: they move between plans, rank
+counts and the plain model (optimizer state included), and a crash mid-save keeps the old file."""
+
+import os
+
+import pytest
+import torch
+from pipeline_helpers import build_model, greedy_plan, make_case, reference
+
+from octopipe.runtime import launch, load_into_model
+from octopipe.runtime.engine import merge_state_dicts
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _train_and_save(rank, world_size, path, steps):
+    case = make_case("gemma", "1f1b", world_size, 4)
+    engine = case.engine(rank, optimizer=_adamw)
+    losses = []
+    for _ in range(steps):
+        losses.append(engine.step(case.inputs, case.target))
+        engine.optimizer_step()
+    engine.save_checkpoint(path)
+    return losses, engine.state_dict()
+
+
+def _load_and_continue(rank, world_size, path):
+    case = make_case("gemma", "irregular", world_size, 2)
+    engine = case.engine(rank, optimizer=_adamw)
+    engine.load_checkpoint(path)
+    loss = engine.step(case.inputs, case.target)
+    engine.optimizer_step()
+    return loss, engine.gather_state_dict(0)
+
+
+def _assert_params_close(actual, expected):
+    assert actual.keys() >= expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-4)  # Adam: see test_engine
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_moves_across_plans_rank_counts_and_into_the_plain_model(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    saved = launch(_train_and_save, 2, (path, 2), timeout_s=90)
+    reference_losses, _, reference_params = reference("gemma", steps=3)
+    assert saved[0][0] == pytest.approx(reference_losses[:2], rel=1e-5)
+    # shards hold what each rank has; the tied embedding is on both; the merge has every name
+    shards = [state for _, state in saved]
+    assert "embed.weight" in shards[0]["model"] and "embed.weight" in shards[1]["model"]
+    merged = merge_state_dicts(shards)
+    model, *_ = build_model("gemma")
+    assert set(merged["model"]) == {n for n, _ in model.named_parameters()}
+    assert set(merged["optimizer"]["state"]) == set(merged["model"])
+    on_disk = torch.load(path, weights_only=True)
+    assert set(on_disk["model"]) == set(merged["model"])
+
+    # a different plan on three ranks picks up where the two-rank run stopped
+    resumed = launch(_load_and_continue, 3, (path,), timeout_s=90)
+    losses = {loss for loss, _ in resumed}
+    assert len(losses) == 1 and losses.pop() == pytest.approx(reference_losses[2], rel=1e-5)
+    final = resumed[0][1]
+    assert resumed[1][1] is None
+    _assert_params_close(final["model"], reference_params)
+
+    # and so does the plain model with its own optimizer
+    model, inputs, target, loss_fn = build_model("gemma")
+    optimizer = _adamw(model.parameters())
+    load_into_model(model, on_disk, optimizer)
+    loss = loss_fn(model(*inputs), target)
+    assert loss.item() == pytest.approx(reference_losses[2], rel=1e-5)
+    loss.backward()
+    optimizer.step()
+    _assert_params_close(dict(model.named_parameters()), reference_params)
+
+
+def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    plan = greedy_plan(1, [0, 0], 2, layers_per_stage=[4, 5])
+    case = make_case("skipnet", plan, 1, 2)
+    engine = case.engine(0, optimizer=_adamw)
+    engine.step(case.inputs, case.target)
+    engine.optimizer_step()
+    path = tmp_path / "ckpt.pt"
+    engine.save_checkpoint(path)
+    before = torch.load(path, weights_only=True)
+
+    engine.step(case.inputs, case.target)
+    engine.optimizer_step()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("disk full (simulated)")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        engine.save_checkpoint(path)
+    monkeypatch.undo()
+    after = torch.load(path, weights_only=True)
+    for name, value in before["model"].items():
+        torch.testing.assert_close(after["model"][name], value, rtol=0, atol=0)
+    assert os.listdir(tmp_path) == ["ckpt.pt"], "no temporary file is left behind"
+
+    # a successful save replaces it; loading it back restores the newer weights
+    engine.save_checkpoint(path)
+    newer = torch.load(path, weights_only=True)
+    assert any(not torch.equal(newer["model"][n], before["model"][n]) for n in before["model"])
+    engine.load_state_dict(before)
+    for name, param in engine.named_parameters():
+        torch.testing.assert_close(param.detach(), before["model"][name], rtol=0, atol=0)
