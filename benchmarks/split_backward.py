@@ -5,7 +5,7 @@ plain backward; `B+W` = forward, backward under a WeightGradStash (input gradien
 non-linear parameters' gradients), then the stash (linear weight gradients). Times are the backward
 part only, median of `--repeats` after a warm-up, in the same process. Target: B+W <= 1.15x full.
 
-    python benchmarks/split_backward.py [--repeats 15] [--threads 2] [--scale small|tiny]
+    python benchmarks/split_backward.py [--repeats 15] [--threads 1] [--batch-size 2] [--scale small|tiny]
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def measure(name: str, overrides: dict, batch_size: int, repeats: int) -> tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--scale", choices=["small", "tiny"], default="small")
     parser.add_argument("--models", nargs="*", default=list(models.MODEL_NAMES))
     args = parser.parse_args()

@@ -42,6 +42,8 @@ from octopipe.errors import PlanError
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, render_grid
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 
+NAME = "lower"
+
 Link = tuple[int, int]
 
 _DURATION = {OpKind.F: 1, OpKind.W: 1}
@@ -67,8 +69,7 @@ def check_links(plan: PipelinePlan, links: Iterable[Link] | None) -> frozenset[L
     return result
 
 
-def op_dependencies(op: Op, split: frozenset[tuple[int, int]], producers: dict[int, list[int]],
-                    consumers: dict[int, list[int]]) -> list[Op]:
+def op_dependencies(op: Op, producers: dict[int, list[int]], consumers: dict[int, list[int]]) -> list[Op]:
     """The ops whose results `op` needs (the plan DAG's data edges)."""
     s, m = op.stage, op.microbatch
     if op.kind is OpKind.F:
@@ -90,7 +91,7 @@ def _simulate(plan: PipelinePlan, producers: dict[int, list[int]], consumers: di
         for device, ops in enumerate(plan.device_ops):
             while position[device] < len(ops):
                 op = ops[position[device]]
-                deps = op_dependencies(op, split, producers, consumers)
+                deps = op_dependencies(op, producers, consumers)
                 if any(dep not in finish for dep in deps):
                     break
                 start = max([device_free[device], *(finish[dep] for dep in deps)])
@@ -114,7 +115,7 @@ def _simulate(plan: PipelinePlan, producers: dict[int, list[int]], consumers: di
     return finish
 
 
-def _tied_positions(plan: PipelinePlan, tied: Sequence[tuple[str, tuple[int, ...]]], split: frozenset[tuple[int, int]],
+def _tied_positions(plan: PipelinePlan, tied: Sequence[tuple[str, tuple[int, ...]]],
                     producers: dict[int, list[int]], consumers: dict[int, list[int]]) -> list[dict[int, int]]:
     """For each tied parameter, per rank of its group: how many of the rank's ops run before its
     reduce_tied. Starts after the rank's last B/W and moves later until the barrier cannot close a
@@ -124,7 +125,7 @@ def _tied_positions(plan: PipelinePlan, tied: Sequence[tuple[str, tuple[int, ...
     for device, ops in enumerate(plan.device_ops):
         for index, op in enumerate(ops):
             where[op] = (device, index)
-            preds[op] = list(op_dependencies(op, split, producers, consumers))
+            preds[op] = list(op_dependencies(op, producers, consumers))
             if index:
                 preds[op].append(ops[index - 1])
     placed: list[dict[int, int]] = []
@@ -278,7 +279,7 @@ def lower(
             keyed[dst].append(((*deadlines[index], index),
                                Instruction(InstrKind.RECV_GRAD, stage=p, microbatch=m, peer=src, peer_stage=c)))
 
-    for number, ((name, ranks), placed) in enumerate(zip(tied, _tied_positions(plan, tied, split, producers, consumers))):
+    for number, ((name, ranks), placed) in enumerate(zip(tied, _tied_positions(plan, tied, producers, consumers))):
         for rank in ranks:
             keyed[rank].append(((placed[rank] - 1, 3, number, 0),
                                 Instruction(InstrKind.REDUCE_TIED, param=name, ranks=tuple(sorted(ranks)))))

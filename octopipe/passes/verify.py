@@ -29,6 +29,8 @@ from octopipe.errors import VerificationError
 from octopipe.ir.plan import OpKind, PipelinePlan, render_grid
 from octopipe.ir.program import COMM_KINDS, COMPUTE_KINDS, InstrKind, Instruction, RankProgram
 
+NAME = "verify"
+
 Message = tuple[str, int, int, int]
 """(kind "act"|"grad", producer stage, consumer stage, microbatch)."""
 

@@ -94,6 +94,7 @@ class Engine:
         self._params = self._tie_local_parameters()
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
+        self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -216,6 +217,14 @@ class Engine:
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self._loss: float = float("nan")
         self._scale = 1.0 / count
+        # a tied gradient is all-reduced: set aside what earlier steps accumulated, so only this
+        # step's contributions are summed across ranks (added back at `step`)
+        self._tied_earlier = {}
+        for name in self._tied_names:
+            param = self._params.get(name)
+            if param is not None:
+                self._tied_earlier[name] = param.grad
+                param.grad = None
         handlers = self._handlers
         for position, instruction in enumerate(self.program.instructions):
             self._position = position
@@ -408,6 +417,11 @@ class Engine:
         for pending in self._reductions:
             self.transport.finish(pending)
         self._reductions = []
+        for name, earlier in self._tied_earlier.items():
+            if earlier is not None:
+                param = self._params[name]
+                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
+        self._tied_earlier = {}
         if self._inbox:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: {len(self._inbox)} received messages were never "
                                  f"used: {sorted(self._inbox)}")

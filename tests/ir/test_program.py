@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from octopipe import ParseError, RankProgram
-from octopipe.ir.program import Instruction, InstrKind, format_programs, parse_programs
+from octopipe.ir.program import InstrKind, Instruction, format_programs, parse_programs
 
 TEXT = """program rank=0 ranks=2
   recv_act stage=3 mb=0 peer=1 peer_stage=2

@@ -37,7 +37,6 @@ def greedy_plan(
     links = links if links is not None else {(s, s + 1) for s in range(num_stages - 1)}
     producers = {s: sorted(p for p, c in links if c == s) for s in range(num_stages)}
     consumers = {s: sorted(c for p, c in links if p == s) for s in range(num_stages)}
-    pairs = frozenset((s, m) for s in range(num_stages) for m in range(num_microbatches)) if split else frozenset()
     todo = [[] for _ in range(num_devices)]
     for m in range(num_microbatches):
         for s in range(num_stages):
@@ -60,7 +59,7 @@ def greedy_plan(
             if free[device] > time or not todo[device]:
                 continue
             ready = [op for op in todo[device]
-                     if all(dep in done and done[dep] <= time for dep in op_dependencies(op, pairs, producers, consumers))]
+                     if all(dep in done and done[dep] <= time for dep in op_dependencies(op, producers, consumers))]
             if idle_rounds < 4 * (num_stages + 2):  # relax the in-flight limit only if stuck
                 ready = [op for op in ready if op.kind is not OpKind.F or op.microbatch in started[device]
                          or sum(1 for left in started[device].values() if left) < limit]
@@ -178,7 +177,7 @@ def random_plan(rng: random.Random, num_devices: int, num_stages: int, num_micro
     done: set[Op] = set()
     orders: list[list[Op]] = [[] for _ in range(num_devices)]
     while remaining:
-        ready = sorted(op for op in remaining if all(d in done for d in op_dependencies(op, split, producers, consumers)))
+        ready = sorted(op for op in remaining if all(d in done for d in op_dependencies(op, producers, consumers)))
         op = rng.choice(ready)
         remaining.discard(op)
         done.add(op)

@@ -115,6 +115,21 @@ def test_optimizer_steps_stay_equal():
                 torch.testing.assert_close(param, reference_params[name], rtol=1e-4, atol=1e-4)
 
 
+def _accumulate(rank, world_size):
+    case = make_case("gemma", "1f1b", world_size, 4)
+    engine = case.engine(rank)
+    for _ in range(2):  # no zero_grad in between: gradients accumulate, as with loss.backward()
+        engine.step(case.inputs, case.target)
+    return {n: p.grad.clone() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_gradients_accumulate_over_steps_like_backward_tied_included():
+    _, grads, _ = reference("gemma")
+    for rank_grads in launch(_accumulate, 2, timeout_s=90):
+        assert_grads_close(rank_grads, {n: 2 * g for n, g in grads.items()}, "two steps")
+
+
 def _random_plans(rank, world_size, seeds):
     results = []
     for seed in seeds:
