@@ -41,11 +41,11 @@ def main() -> None:
         plan = schedules.build("zb-v", costs, cluster, microbatches)
         ops = plan.num_ops()
 
-        def fresh_simulate():
+        def fresh_simulate(plan=plan, cluster=cluster):
             # a new plan object each time: nothing cached from an earlier call
             return simulate(plan.with_ops(plan.device_ops), costs, cluster)
 
-        def fresh_fast():
+        def fresh_fast(plan=plan, cluster=cluster):
             return iteration_time(plan.with_ops(plan.device_ops), costs, cluster)
 
         full = median_ms(fresh_simulate)

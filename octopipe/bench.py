@@ -55,7 +55,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
-    return [StepTiming(tuple(t), tuple(l)) for t, l in zip(times, losses)]
+    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)]
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,

@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
-    from octopipe.errors import (ExecutionError, InfeasibleError, OctopipeError, PlanError,
-                                 VerificationError)
+    from octopipe.errors import ExecutionError, InfeasibleError, OctopipeError, PlanError, VerificationError
 
     try:
         return args.run(args) or EXIT_OK

@@ -57,7 +57,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s
     micro_inputs = microbatch(inputs, NUM_MICROBATCHES)
     micro_target = microbatch((target,), NUM_MICROBATCHES)[0]
     costs = profile_costs(graph, micro_inputs, example_target=micro_target, repeats=5, warmup=2)
-    say(f"profiled {len(costs)} layers: " + ", ".join(f"{l.name} {l.forward_ms + l.backward_ms:.1f}" for l in costs)
+    say(f"profiled {len(costs)} layers: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")
 
     result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=time_limit_s, quiet=True)

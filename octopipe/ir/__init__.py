@@ -3,7 +3,7 @@
 from octopipe.ir.costs import DEFAULT_WEIGHT_FRACTION, CostTable, LayerCost
 from octopipe.ir.graph import Layer, LayerGraph, SharedParameter, TensorEdge
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage, render_grid
-from octopipe.ir.program import Instruction, InstrKind, RankProgram, format_programs, parse_programs
+from octopipe.ir.program import InstrKind, Instruction, RankProgram, format_programs, parse_programs
 
 __all__ = [
     "DEFAULT_WEIGHT_FRACTION", "CostTable", "LayerCost", "Layer", "LayerGraph", "SharedParameter", "TensorEdge",

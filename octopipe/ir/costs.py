@@ -114,7 +114,7 @@ class CostTable:
     @property
     def backward_input(self) -> tuple[float, ...]:
         """B time of each layer when W is split off, ms."""
-        return self._array("backward_input", (l.backward_ms - w for l, w in zip(self.layers, self.weight)))
+        return self._array("backward_input", (layer.backward_ms - w for layer, w in zip(self.layers, self.weight)))
 
     @property
     def backward_full(self) -> tuple[float, ...]:

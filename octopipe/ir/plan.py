@@ -343,6 +343,6 @@ def render_grid(device_ops: Sequence[Sequence[object]], mark: tuple[int, int] | 
             (("[" + c + "]") if mark == (d, step) else c).ljust(width) for d, c in enumerate(row)
         )
         if mark is not None and mark[1] == step:
-            text = text.rstrip() + "   <-- ERROR HERE (device %d)" % mark[0]
+            text = text.rstrip() + f"   <-- ERROR HERE (device {mark[0]})"
         lines.append(text.rstrip())
     return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""End to end: OctoPipe's plan run by OctoPipe's runtime vs torch.distributed.pipelining's best
+built-in schedule with the uniform split its users write, on heterogeneous models, in one run.
+
+For each model (Gemma-style head-heavy, DeepSeek-style dense+MoE, Nemotron-H-style hybrid, and a
+ViT + cross-attention multimodal model; CPU-sized configs), 2 processes (gloo, 1 thread each):
+
+- OctoPipe: profile the layers on this machine, measure the link, `octopipe.plan` (20 s), compile,
+  run with `Engine`;
+- torch: hand-cut stage modules with the blocks split uniformly (embedding/vision encoder with the
+  first blocks, norm + head with the last, as the torch.distributed.pipelining tutorials do) under
+  every built-in schedule it has for 2 ranks (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+  InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), same batch and microbatches.
+
+All runs of one model share one launch and alternate step by step (ours, then each torch
+schedule), so machine noise hits them alike. A step's time is the slowest rank's; the table gives
+the median of the measured steps, throughput in tokens/s, and OctoPipe's speedup over the best
+torch schedule.
+
+    python benchmarks/e2e_vs_torch.py [--steps 5] [--warmup 2] [--models gemma,deepseek,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import octopipe
+from octopipe import models
+from octopipe.bench import calibrate_cpu_cluster
+from octopipe.passes.codegen import microbatch
+from octopipe.passes.profile import profile_costs
+from octopipe.runtime import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_models import BATCH_SIZE, CONFIGS, NUM_MICROBATCHES  # noqa: E402
+from cpu_models import build as _data
+
+TORCH_SCHEDULES = (  # (class name, stages per rank, placement "loop" | "v")
+    ("ScheduleGPipe", 1, "loop"),
+    ("Schedule1F1B", 1, "loop"),
+    ("ScheduleInterleaved1F1B", 2, "loop"),
+    ("ScheduleLoopedBFS", 2, "loop"),
+    ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    ("ScheduleZBVZeroBubble", 2, "v"),
+    ("ScheduleDualPipeV", 2, "v"),
+)
+
+
+class DecoderChunk(nn.Module):
+    """Blocks [start, end) of a DecoderLM-shaped model; the embedding first, norm + head last."""
+
+    def __init__(self, model: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.embed = model.embed if start == 0 else None
+        self.layers = nn.ModuleList(model.layers[i] for i in range(start, end))
+        self.tail = nn.Sequential(model.norm, model.head) if end == len(model.layers) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.tail(x) if self.tail is not None else x
+
+
+class MultimodalChunk(nn.Module):
+    """Decoder blocks [start, end) of the multimodal model, passing the vision features along
+    (torch.distributed.pipelining sends stage outputs only to the next stage)."""
+
+    def __init__(self, model: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.first = start == 0
+        self.last = end == len(model.layers)
+        self.vision = model.vision if self.first else None
+        self.projector = model.projector if self.first else None
+        self.embed = model.embed if self.first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in range(start, end))
+        self.tail = nn.Sequential(model.norm, model.head) if self.last else None
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor):
+        if self.first:
+            vision, hidden = self.projector(self.vision(a)), self.embed(b)
+        else:
+            hidden, vision = a, b
+        for layer in self.layers:
+            hidden = layer(hidden, vision) if type(layer).__name__ == "CrossAttentionBlock" else layer(hidden)
+        return self.tail(hidden) if self.last else (hidden, vision)
+
+
+def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int):
+    from torch.distributed import pipelining
+
+    chunk_class = MultimodalChunk if name == "multimodal" else DecoderChunk
+    num_blocks = len(model.layers)
+    built = {}
+    for class_name, per_rank, shape in TORCH_SCHEDULES:
+        num_stages = world_size * per_rank
+        bounds = [num_blocks * k // num_stages for k in range(num_stages + 1)]
+        if shape == "loop":
+            own = [s for s in range(num_stages) if s % world_size == rank]
+        else:
+            own = [rank, num_stages - 1 - rank]
+        stages = [pipelining.PipelineStage(chunk_class(model, bounds[s], bounds[s + 1]), s, num_stages,
+                                           torch.device("cpu")) for s in own]
+        schedule_class = getattr(pipelining, class_name)
+        try:
+            schedule = (schedule_class(stages[0], NUM_MICROBATCHES, loss_fn=models.lm_loss) if per_rank == 1
+                        else schedule_class(stages, NUM_MICROBATCHES, loss_fn=models.lm_loss))
+        except Exception as exc:  # noqa: BLE001 - a schedule torch refuses for this shape is reported, not fatal
+            built[class_name] = f"refused: {exc}"
+            continue
+        built[class_name] = (schedule, 0 in own, num_stages - 1 in own)
+    return built
+
+
+def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    model, inputs, target = _data(name)
+    # the compiled pipeline shares parameters with its own copy of the model; torch's chunks use `model`
+    engine = pipe.engine(rank)
+    schedules = _torch_schedules(model, name, rank, world_size)
+
+    def run_ours() -> None:
+        engine.step(inputs, target)
+        engine.zero_grad()
+
+    runs = {"octopipe": run_ours}
+    for class_name, entry in schedules.items():
+        if isinstance(entry, str):
+            continue
+        schedule, has_first, has_last = entry
+
+        def run_torch(schedule=schedule, has_first=has_first, has_last=has_last) -> None:
+            args = inputs if has_first else ()
+            if has_last:
+                schedule.step(*args, target=target, losses=[])
+            else:
+                schedule.step(*args)
+            model.zero_grad(set_to_none=True)
+
+        runs[class_name] = run_torch
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    failed: dict[str, str] = {key: entry for key, entry in schedules.items() if isinstance(entry, str)}
+    for repetition in range(warmup + steps):
+        for key, run in list(runs.items()):
+            dist.barrier()
+            start = time.perf_counter()
+            try:
+                run()
+            except Exception as exc:  # noqa: BLE001
+                failed[key] = f"failed: {type(exc).__name__}: {exc}"[:200]
+                del runs[key]
+                continue
+            dist.barrier()
+            if repetition >= warmup:
+                times[key].append(time.perf_counter() - start)
+    return {"times": times, "failed": failed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--models", default=",".join(CONFIGS))
+    parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cluster = calibrate_cpu_cluster(2)
+    print(f"2 ranks, gloo, CPU, 1 thread each; link {cluster.latency_s * 1e6:.0f} us, "
+          f"{cluster.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {NUM_MICROBATCHES} microbatches; "
+          f"median of {args.steps} steps after {args.warmup} warm-up (a step = the slowest rank)")
+    header = f"{'model':<11} {'octopipe ms':>11} {'best torch schedule':<30} {'torch ms':>9} {'tokens/s ours':>13} " \
+             f"{'tokens/s torch':>14} {'speedup':>8}"
+    lines = []
+    for name in args.models.split(","):
+        model, inputs, target = _data(name)
+        graph = octopipe.trace(model, inputs, loss_fn=models.lm_loss, example_target=target)
+        costs = profile_costs(graph, microbatch(inputs, NUM_MICROBATCHES),
+                              example_target=microbatch((target,), NUM_MICROBATCHES)[0])
+        result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
+        pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                                num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)
+        per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup), timeout_s=3600)
+        medians = {}
+        for key in per_rank[0]["times"]:
+            steps = [max(r["times"][key][k] for r in per_rank) for k in range(len(per_rank[0]["times"][key]))]
+            if steps:
+                medians[key] = statistics.median(steps) * 1e3
+        ours = medians.pop("octopipe")
+        best = min(medians, key=medians.get)
+        tokens = BATCH_SIZE * inputs[-1].shape[1]
+        print(f"\n{name}: plan {result.plan.num_stages} stages, placement {result.plan.placement}, predicted "
+              f"{result.report.iteration_ms:.0f} ms; torch per schedule: "
+              + ", ".join(f"{k.removeprefix('Schedule')} {v:.0f}" for k, v in sorted(medians.items(), key=lambda kv: kv[1])))
+        for key, why in per_rank[0]["failed"].items():
+            print(f"  torch {key}: {why}")
+        lines.append(f"{name:<11} {ours:>11.1f} {best.removeprefix('Schedule'):<30} {medians[best]:>9.1f} "
+                     f"{tokens / ours * 1e3:>13.0f} {tokens / medians[best] * 1e3:>14.0f} {medians[best] / ours:>7.3f}x")
+    print()
+    print(header)
+    for line in lines:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
