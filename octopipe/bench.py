@@ -113,3 +113,35 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
                    inter_node_bandwidth=bandwidth, name=f"cpux{num_devices}-measured")
+
+
+def calibrated_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int,
+                       *, repeats: int = 5) -> tuple[Any, float]:
+    """Per-layer costs measured on this machine, scaled so that the whole model run by the
+    runtime on one process (all layers one stage, microbatch after microbatch) takes what the
+    costs predict: layer ratios from the per-layer profile, absolute time from the runtime itself.
+    Returns (CostTable, scale applied)."""
+    import octopipe
+    from octopipe.ir.costs import CostTable
+    from octopipe.passes.codegen import microbatch
+    from octopipe.passes.profile import profile_costs
+
+    graph = octopipe.trace(model, tuple(inputs), loss_fn=loss_fn, example_target=target)
+    micro = microbatch(tuple(inputs), num_microbatches)
+    micro_target = microbatch((target,), num_microbatches)[0]
+    costs: CostTable = profile_costs(graph, micro, example_target=micro_target, repeats=repeats)
+    single = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=tuple(inputs),
+                              example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, costs=costs,
+                              schedule="1f1b", num_devices=1)
+    measured = measure_steps(single, inputs, target, steps=3, warmup=1).median_ms
+    scale = measured / single.simulation.iteration_ms
+    return scale_costs(costs, scale), scale
+
+
+def scale_costs(costs: Any, scale: float) -> Any:
+    """Every layer's times multiplied by `scale` (bytes unchanged)."""
+    return costs.replace_layers(
+        replace(layer, forward_ms=layer.forward_ms * scale, backward_ms=layer.backward_ms * scale,
+                backward_weight_ms=None if layer.backward_weight_ms is None else layer.backward_weight_ms * scale)
+        for layer in costs.layers
+    )
