@@ -34,6 +34,10 @@ class ClusterSpec:
     """Device memory (HBM) bandwidth, bytes/s: the speed of memory-bound ops in analytic costs."""
     flops_efficiency: float = 0.5
     """Fraction of `peak_flops` that matmul-heavy work reaches; analytic costs divide by it."""
+    op_overhead_ms: float = 0.0
+    """Host time the runtime adds to every compute op (F, B, W) beyond the layers' own time:
+    Python dispatch and autograd bookkeeping. Negligible on GPUs (hidden behind queued kernels);
+    measurable on CPU, where `octopipe.bench.calibrate_cpu_cluster` measures it."""
     backend: str = "nccl"
     name: str = "custom"
 
@@ -49,6 +53,8 @@ class ClusterSpec:
                 raise ClusterSpecError(f"{where}: {field} must be a positive finite number, got {value!r}")
         if not _is_number(self.latency_s) or not 0 <= self.latency_s < 1:
             raise ClusterSpecError(f"{where}: latency_s must be in [0, 1) seconds, got {self.latency_s!r}")
+        if not _is_number(self.op_overhead_ms) or not 0 <= self.op_overhead_ms < 1e3:
+            raise ClusterSpecError(f"{where}: op_overhead_ms must be in [0, 1000), got {self.op_overhead_ms!r}")
         if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
             raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
         if self.backend not in ("nccl", "gloo"):

@@ -8,6 +8,8 @@ devices takes latency + bytes / bandwidth, a directed link (device pair) carries
 time in the order the sender produced them, and transfers overlap compute unless
 `blocking_sends=True` (then the sender waits for its send). Hand-offs on one device are free.
 
+Every compute op also pays the cluster's `op_overhead_ms` (host-side runtime cost per op).
+
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
@@ -287,6 +289,7 @@ def _run(
     act_bytes, out_bytes = sc.activation, sc.output
     keep_fraction = memory.weight_memory_fraction
     latency_ms = cluster.latency_s * 1e3
+    overhead = cluster.op_overhead_ms
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
     bandwidth_cache: dict[tuple[int, int], float] = {}
@@ -352,7 +355,7 @@ def _run(
                 starts[key] = begin  # type: ignore[index]
             elif arrival > begin:
                 begin = arrival
-            finish = begin + duration
+            finish = begin + duration + overhead
             done[key] = finish
             device_time[device] = finish
             last_op[device] = key

@@ -163,3 +163,10 @@ def test_chrome_trace_has_every_op_and_transfer(tmp_path):
 
 def test_op_kinds_cover_f_b_w():
     assert [k.value for k in OpKind] == ["F", "B", "W"]
+
+
+def test_every_compute_op_pays_the_runtime_overhead():
+    cluster = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, latency_s=0.0, op_overhead_ms=0.5)
+    result = simulate(plan_of(TWO_STAGE), table(2), cluster)
+    assert result.iteration_ms == pytest.approx(9 + 0.5 * 6)  # six ops on the critical path
+    assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(1.5)
