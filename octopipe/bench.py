@@ -103,7 +103,8 @@ def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: 
 
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     """The local gloo 'cluster' with latency and bandwidth measured by a ping-pong between two
-    processes (one small and one 4 MB message)."""
+    processes (one small and one 4 MB message), and the runtime's per-op overhead measured by
+    running a model of tiny layers as 1 stage and as one stage per layer on one process."""
     from octopipe.runtime import launch
 
     small, large = 4, 4 * 2**20
@@ -112,7 +113,55 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     bandwidth = large / max(one_way[1] - latency, 1e-9)
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
-                   inter_node_bandwidth=bandwidth, name=f"cpux{num_devices}-measured")
+                   inter_node_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
+                   name=f"cpux{num_devices}-measured")
+
+
+class _TinyLayers(torch.nn.Module):
+    def __init__(self, num_layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def measure_op_overhead_ms(num_layers: int = 16, num_microbatches: int = 8, repeats: int = 7) -> float:
+    """Runtime cost per compute op beyond the layer's own work: the step time of layers so small
+    their compute is negligible, run as one stage per layer minus run as one stage, per extra op."""
+    import octopipe
+    from octopipe.ir.plan import B, F, PipelinePlan
+
+    torch.manual_seed(0)
+    model = _TinyLayers(num_layers, 8)
+    x, y = torch.randn(num_microbatches, 8), torch.randn(num_microbatches, 8)
+    cluster = ClusterSpec.preset("cpu", num_devices=1)
+    graph_layers = num_layers + 1  # the blocks and the loss
+    pipes = []
+    for stages in (1, graph_layers):
+        bounds = [graph_layers * k // stages for k in range(stages + 1)]
+        ops = []
+        for mb in range(num_microbatches):
+            ops += [F(s, mb) for s in range(stages)] + [B(s, mb) for s in reversed(range(stages))]
+        plan = PipelinePlan.build(num_microbatches, bounds, [0] * stages, [ops], num_devices=1)
+        pipes.append(octopipe.compile(model, cluster, example_inputs=(x,), example_target=y, loss_fn=_mse,
+                                      num_microbatches=num_microbatches, plan=plan,
+                                      costs=_zero_costs(graph_layers)))
+    one, many = measure_many(pipes, (x,), y, steps=repeats, warmup=2)
+    extra_ops = 2 * num_microbatches * (graph_layers - 1)
+    return max(0.0, (many.median_ms - one.median_ms) / extra_ops)
+
+
+def _zero_costs(num_layers: int):
+    from octopipe.ir.costs import CostTable, LayerCost
+
+    return CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(num_layers)])
 
 
 def calibrated_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int,
