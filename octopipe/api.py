@@ -4,6 +4,7 @@ run are in `passes/`, the search in `tuner.py` and `solver.py`."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -18,8 +19,8 @@ from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import B, F, PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
-from octopipe.solver import balance_bound, refine_order
-from octopipe.tuner import tune
+from octopipe.solver import balance_bound, refine_order, release_bound
+from octopipe.tuner import Policy, Structure, list_schedule, tune
 
 GiB = 2**30
 
@@ -46,6 +47,7 @@ def plan(
     memory: MemoryModel = MemoryModel(),
     solver: bool = True,
     seed: int = 0,
+    effort: float = 1.0,
     quiet: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
@@ -54,9 +56,11 @@ def plan(
     memory_limit_bytes: per device, weights + gradients + optimizer state + activations (default:
     the cluster's device memory). activation_limit: a per-device cap on activation memory alone,
     in bytes, or "1f1b" for the busiest device of the 1F1B baselines (OctoPipe then never holds
-    more activations than a 1F1B user does). time_limit_s bounds the whole search; the best valid
-    plan found is returned when it runs out, and the report says the search was cut short.
-    Progress goes to stderr unless `quiet` (or to `progress` when given)."""
+    more activations than a 1F1B user does). The search's budget is work, not seconds (`effort`
+    scales it), so the plan is a function of the input, `effort` and `seed` alone: every rank of a
+    job gets the same one. time_limit_s is a safety net on top: when it runs out first, the best
+    valid plan found is returned and the report says the search was cut short (the plan may
+    then differ between runs). Progress goes to stderr unless `quiet` (or to `progress`)."""
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
@@ -70,27 +74,35 @@ def plan(
     baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory) for name, plan_ in baseline_plans.items()}
     stage_seconds["baselines"] = time.perf_counter() - clock
     activation_budget = _activation_limit(activation_limit, baseline_sims)
-    _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget, memory)
+    fallback_bounds = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget, memory)
+    start_plans = dict(baseline_plans)
+    start_plans["one microbatch in flight"] = _low_memory_plan(costs, cluster, num_microbatches, fallback_bounds, p,
+                                                               memory)
 
     # 2. bounds: whole layers per device (exact bin packing), and one microbatch's chain
     clock = time.perf_counter()
-    bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.1 * time_limit_s), seed=seed)
+    bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.2 * time_limit_s))
     chain_ms = sum(costs.forward) + sum(costs.backward_full)
-    lower_bound = max(num_microbatches * bound.lower_ms, chain_ms)
+    # the release bound only sharpens the report; skip it when the time limit is nearly spent
+    released = None
+    if time_limit_s - (time.perf_counter() - started) > 2.0:
+        released = release_bound(costs, p, num_microbatches, balance=bound)
+    lower_bound = max(num_microbatches * bound.lower_ms, chain_ms, released.lower_ms if released else 0.0)
     stage_seconds["bounds"] = time.perf_counter() - clock
 
     # 3. tuner, started from every baseline
     clock = time.perf_counter()
     remaining = time_limit_s - (time.perf_counter() - started)
-    tuner_share = 0.6 if solver else 0.95
+    tuner_share = 0.85 if solver else 0.95
     if say:
         say(f"tuning {len(costs)} layers on {p} devices x {num_microbatches} microbatches (limit {time_limit_s:.0f}s)")
     tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
-                 activation_budget=[activation_budget] * p if activation_budget is not None else None,
-                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=baseline_plans, progress=say)
+                 effort=effort, activation_budget=[activation_budget] * p if activation_budget is not None else None,
+                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans, progress=say)
     stage_seconds["tuner"] = time.perf_counter() - clock
     best_plan, origin = tuned.best.plan, "tuner"
-    notes = [f"tuner: {tuned.evaluations} plans simulated; best from {tuned.best.origin}"]
+    notes = [f"tuner: {tuned.structures} structures, {tuned.evaluations} plans simulated ({tuned.work} op-steps of "
+             f"work); best from {tuned.best.origin}"]
     cut_short = tuned.cut_short
 
     # 4. CP-SAT over the tuner's structure, hinted with its order
@@ -101,9 +113,14 @@ def plan(
         if remaining > 0.5:
             if say:
                 say(f"CP-SAT refinement ({remaining:.0f}s left)")
-            refinement = refine_order(best_plan, costs, cluster, time_limit_s=remaining - 0.2,
-                                      activation_budget=[activation_budget] * p if activation_budget is not None else None,
-                                      memory=memory, seed=seed)
+            # the activation room on each device: the activation limit, and what the memory limit
+            # leaves after the weights, gradients and optimizer state of the device's stages
+            static = simulate(best_plan, costs, cluster, memory=memory).static_memory_bytes
+            room = [min(activation_budget if activation_budget is not None else math.inf, memory_limit - fixed)
+                    for fixed in static]
+            refinement = refine_order(best_plan, costs, cluster, work=0.2 * effort, max_windows=4,
+                                      time_limit_s=remaining - 0.2, activation_budget=room, memory=memory, seed=seed)
+            cut_short = cut_short or refinement.cut_short
             if refinement.iteration_ms < tuned.best.iteration_ms - 1e-9:
                 best_plan, origin = refinement.plan, "solver"
             mode = "the whole op order" if refinement.full_model else f"{refinement.windows} neighbourhoods (time windows of ops)"
@@ -122,6 +139,10 @@ def plan(
     chosen = "octopipe solver" if origin == "solver" else "octopipe tuner"
     if not bound.optimal:
         notes.append("balance bound: bin packing not proven optimal in time; the lower bound uses its proven bound")
+    sources = {"microbatches x balance bound": num_microbatches * bound.lower_ms, "one microbatch's F+B chain": chain_ms}
+    if released is not None:
+        sources["release bound (late-starting devices)"] = released.lower_ms
+    notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
     report = PlanReport(
@@ -178,7 +199,7 @@ def least_memory(costs: CostTable, num_devices: int, memory: MemoryModel = Memor
     """The smallest per-device peak memory any plan of these layers on `num_devices` devices
     needs, within the plans the planner considers: a device must hold the weights, gradients and
     optimizer state of its layers and the activations of at least one microbatch of them. Returns
-    (bytes, a one-microbatch-at-a-time plan that reaches it)."""
+    (bytes, a one-microbatch plan that reaches it)."""
     weights = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
     bounds = schedules.balanced_boundaries(weights, num_devices)
     stages = list(range(num_devices))
@@ -192,22 +213,81 @@ def least_memory(costs: CostTable, num_devices: int, memory: MemoryModel = Memor
     return need, plan_
 
 
+def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_limit: float,
+                activation_budget: float | None) -> tuple[tuple[int, ...] | None, float, float]:
+    """The split into at most `num_devices` contiguous stages, one per device, that a plan running
+    one microbatch at a time fits in (stage weights + state + one microbatch's activations within
+    `memory_limit`, activations within `activation_budget`), or None; and the least memory and
+    activation per device such a plan needs at all (balanced splits)."""
+    static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
+    activation = list(costs.activation)
+    total = [a + b for a, b in zip(static, activation)]
+    p = min(num_devices, len(costs))
+    need_memory = max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, p)))
+    need_activation = max(sum(activation[a:b]) for a, b in _pairs(schedules.balanced_boundaries(activation, p)))
+    cap = math.inf if activation_budget is None else activation_budget
+    bounds, held, acts = [0], 0.0, 0.0
+    for i in range(len(costs)):
+        if i > bounds[-1] and (held + total[i] > memory_limit or acts + activation[i] > cap):
+            bounds.append(i)
+            held = acts = 0.0
+        held += total[i]
+        acts += activation[i]
+        if held > memory_limit or acts > cap:
+            return None, need_memory, need_activation
+    bounds.append(len(costs))
+    if len(bounds) - 1 > p:
+        return None, need_memory, need_activation
+    while len(bounds) - 1 < p:  # split the longest stage until every device has one
+        widest = max(range(len(bounds) - 1), key=lambda s: (bounds[s + 1] - bounds[s], -s))
+        if bounds[widest + 1] - bounds[widest] < 2:
+            break
+        bounds.insert(widest + 1, (bounds[widest] + bounds[widest + 1]) // 2)
+    return tuple(bounds), need_memory, need_activation
+
+
+def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _low_memory_plan(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, bounds: Sequence[int],
+                     num_devices: int, memory: MemoryModel) -> PipelinePlan:
+    """A plan on the fitting split (stage s on device s) with one microbatch in flight per stage
+    and full backwards: the fallback that fits whenever `_check_memory_feasible` passes."""
+    structure = Structure(tuple(bounds), tuple(range(len(bounds) - 1)), num_devices)
+    policy = Policy(split_backward=False, inflight_slack=-num_microbatches - 1)
+    return list_schedule(structure, costs, cluster, num_microbatches, policy, None, memory)
+
+
 def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches: int, memory_limit: float,
-                           activation_budget: float | None, memory: MemoryModel) -> None:
-    need, _ = least_memory(costs, num_devices, memory)
-    if need > memory_limit:
+                           activation_budget: float | None, memory: MemoryModel) -> tuple[int, ...]:
+    """Raise InfeasibleError, with the least memory that would work and what to change, when no
+    plan can meet the limits; else return a split that a one-microbatch-at-a-time plan fits."""
+    bounds, need_memory, need_activation = _least_need(costs, num_devices, memory, memory_limit, activation_budget)
+    if bounds is not None:
+        return bounds
+    if need_memory > memory_limit:
+        devices = max(num_devices + 1, math.ceil(need_memory * num_devices / memory_limit))
         raise InfeasibleError(
-            f"no plan fits {memory_limit / GiB:.2f} GiB per device: even one microbatch in flight with weights, "
-            f"gradients and optimizer state spread evenly needs {need / GiB:.2f} GiB on the busiest of {num_devices} "
-            f"devices. Use more devices (about {int(-(-need * num_devices // memory_limit))}), shard the optimizer "
-            "state, or use a smaller microbatch"
+            f"no plan fits {memory_limit / GiB:.2f} GiB per device: even with the layers split evenly over "
+            f"{num_devices} devices and one microbatch in flight, the busiest device needs {need_memory / GiB:.2f} GiB "
+            f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
+            f"memory limit to {need_memory / GiB:.2f} GiB, use more devices (about {devices}), shard the optimizer state, "
+            "or use a smaller microbatch"
         )
-    top = max(costs.activation) if len(costs) else 0.0
-    if activation_budget is not None and top > activation_budget:
+    if activation_budget is not None and need_activation > activation_budget:
         raise InfeasibleError(
-            f"activation limit {activation_budget / GiB:.3f} GiB per device is below one microbatch of the largest "
-            f"layer ({top / GiB:.3f} GiB): raise the limit or use a smaller microbatch"
+            f"activation limit {activation_budget / GiB:.3f} GiB per device is below what one microbatch in flight needs "
+            f"on the busiest of {num_devices} devices with the layers split evenly ({need_activation / GiB:.3f} GiB; the "
+            f"largest layer alone holds {max(costs.activation) / GiB:.3f} GiB). Raise activation_limit to at least "
+            f"{need_activation / GiB:.3f} GiB, use more devices (more, shorter stages), or use a smaller microbatch"
         )
+    raise InfeasibleError(
+        f"no plan fits both limits ({memory_limit / GiB:.2f} GiB per device, activations "
+        f"{(activation_budget or 0) / GiB:.3f} GiB): one at a time each holds for a balanced split ({need_memory / GiB:.2f} "
+        f"and {need_activation / GiB:.3f} GiB) but no split of the layers over {num_devices} devices meets both at once. "
+        "Raise either limit, use more devices, or use a smaller microbatch"
+    )
 
 
 def _row(name: str, kind: str, sim: SimResult, activation_budget: float | None, memory_limit: float | None) -> PlanRow:

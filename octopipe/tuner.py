@@ -1,27 +1,40 @@
 """Iterative bubble-aware tuner: joint search over partition, placement and op order.
 
 Consumes a CostTable, a ClusterSpec and a microbatch count; produces the best PipelinePlan it
-finds (simulated by `octopipe.simulator`, the shared contract) and a log of what it tried.
+finds (simulated by `octopipe.simulator`, the shared contract) that fits the memory limits, and
+a log of what it tried.
 
 Glossary: a *structure* is a partition (stage layer ranges) plus a placement (stage -> device);
-an *order* is each device's op sequence. The tuner
+an *order* is each device's op sequence; a *lap* is a run of p consecutive stages of a looped or
+zigzag placement (each visits every device once); a *policy* is a set of knobs of the list
+scheduler. The tuner
 
-1. builds candidate structures: every baseline's, and load-balanced ones with p, 2p, 3p, ... stages
-   in looped, V-shaped and free placements (partition boundaries chosen so the busiest device's
-   per-microbatch load is as small as whole layers allow);
-2. orders each structure with a bubble-aware list scheduler (below) under the memory limit,
-   trying a few scheduling policies;
-3. improves the best by local moves aimed at the bubbles the simulator reports: a layer across a
-   stage boundary when device loads are unbalanced, a stage to another device (placement) and a
-   different stage count when warm-up/cool-down bubbles dominate, and scheduling-policy changes
-   (warm-up depth, when W runs) when residual bubbles dominate. Only strict improvements that fit
-   the memory limit are kept; it stops at convergence or `time_limit_s`.
+1. builds candidate structures: every baseline's, and looped and zigzag placements of p, 2p,
+   3p, ... stages (up to one layer per stage) whose boundaries balance the devices' loads three
+   ways: the busiest device's load (`schedules.balanced_partition`), equal stages, and
+   *release-aware* (`solver.balanced_structure`): a device cannot start before microbatch 0
+   reaches its first layer, so devices that start late should carry less;
+2. orders each structure with the bubble-aware list scheduler (below) under the memory limit with
+   a few screening policies, then the best structures with every policy;
+3. improves the best few by hill climbing on (memory overshoot, iteration time): a boundary moved
+   by one or two layers, two stages of a lap swapping devices, a stage of the busiest device moved
+   to a light one, each re-ordered by the list scheduler with the structure's best policies; a
+   boundary moved under the current order (the baselines' orders are templates, and a baseline
+   slightly over the memory limit is repaired this way); and policy neighbours (warm-up depth,
+   when W runs, waiting for an imminent B);
+4. iterated local search: perturbs the best structure by a few random moves and climbs again,
+   until several rounds in a row find nothing better;
+5. fills the largest idle gaps of the best plan by moving a later op (a W, an F) into them.
+
+Only strict improvements that fit the memory limits are kept. The search is deterministic for a
+given input and seed: its budget counts work (ops scheduled and simulated), not seconds;
+`time_limit_s` only cuts it short (and `TuneResult.cut_short` says so).
 
 The list scheduler replays the simulator's timing rules event by event: whenever a device is free
 it runs the best op that is ready — an input-gradient B first (it is on the critical path and frees
 memory), then a forward if the stage's in-flight microbatches and the device's activation budget
-allow, then a pending W (weight gradients fill gaps; they also run first when the budget is
-full). Each stage keeps at most `cap` microbatches in flight, `cap` from the time a microbatch needs
+allow, then a pending W (weight gradients fill gaps; they also run first when too many wait).
+Each stage keeps at most `cap` microbatches in flight, `cap` from the time a microbatch needs
 to come back (its round trip) over the device's per-microbatch load, like 1F1B's p - i.
 """
 
@@ -37,9 +50,13 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import MemoryModel, SimResult, iteration_time, simulate
+from octopipe.simulator import MemoryModel, iteration_time, simulate
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
+
+DEFAULT_WORK = 3_000_000
+"""Work budget of one tuning run at effort 1: ops list-scheduled plus ops simulated. About 10 us
+of one core each, so roughly 25 s on a slow core; small inputs converge long before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +81,10 @@ class Structure:
             loads[self.placement[stage]] += load
         return loads
 
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(Stage(i, a, b, self.placement[i])
+                     for i, (a, b) in enumerate(zip(self.boundaries[:-1], self.boundaries[1:])))
+
     @classmethod
     def of(cls, plan: PipelinePlan) -> Structure:
         return cls(plan.boundaries, plan.placement, plan.num_devices)
@@ -86,6 +107,19 @@ class Policy:
     reserve: int = 1
     """Microbatches of activation memory a forward must leave free for each deeper stage on the
     same device (without it the first stage can fill the budget and starve the later ones)."""
+    lookahead: float = 0.0
+    """Wait for a B that arrives within this fraction of the F or W the device would start
+    instead (a long F started just before a gradient arrives delays the whole backward chain)."""
+    shallow_first: bool = False
+    """Among ready forwards prefer the shallowest stage (new microbatches enter the pipeline at
+    the rate it drains them; with several stages per device depth-first can starve stage 0)."""
+    pending_w_by_depth: bool = False
+    """Let each stage keep at most as many W waiting as its device's rank (by first stage): the
+    zero-bubble H1 pattern, in which device i runs W i steps after its B."""
+    lazy_w: bool = False
+    """Keep W ops for the drain: run one only when memory holds a forward back, too many wait,
+    or the device has issued all its forwards (then the backward chain of the last microbatches
+    leaves gaps that only W can fill)."""
 
 
 def _stage_arrays(structure: Structure, costs: CostTable, split: bool):
@@ -100,11 +134,13 @@ def _stage_arrays(structure: Structure, costs: CostTable, split: bool):
 
 
 def inflight_caps(structure: Structure, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
-                  policy: Policy, activation_budget: Sequence[float] | None, memory: MemoryModel) -> list[int]:
+                  policy: Policy, activation_budget: Sequence[float] | None) -> list[int]:
     """Microbatches each stage may hold between its F and its B."""
     forward, backward, weight, activation, output = _stage_arrays(structure, costs, policy.split_backward)
     num_stages = structure.num_stages
     placement = structure.placement
+    if not policy.roundtrip_caps:
+        return [num_microbatches] * num_stages
     load = [0.0] * structure.num_devices
     for s in range(num_stages):
         load[placement[s]] += forward[s] + backward[s] + weight[s]
@@ -116,11 +152,8 @@ def inflight_caps(structure: Structure, costs: CostTable, cluster: ClusterSpec, 
             if placement[t] != placement[t - 1]:
                 trip += 2 * cluster.transfer_ms(output[t - 1], placement[t - 1], placement[t])
         cycle = max(load[placement[s]], 1e-9)
-        if policy.roundtrip_caps:
-            caps.append(max(1, min(num_microbatches, math.ceil(trip / cycle - 1e-9) + policy.inflight_slack)))
-        else:
-            caps.append(num_microbatches)
-    if activation_budget is not None and policy.roundtrip_caps:
+        caps.append(max(1, min(num_microbatches, math.ceil(trip / cycle - 1e-9) + policy.inflight_slack)))
+    if activation_budget is not None:
         for device in range(structure.num_devices):
             stages = [s for s in range(num_stages) if placement[s] == device]
             while sum(caps[s] * activation[s] for s in stages) > activation_budget[device] + 1e-6:
@@ -143,14 +176,20 @@ def list_schedule(
 ) -> PipelinePlan:
     """Order every device's ops for `structure` by bubble-aware list scheduling (see module doc).
     The result satisfies the per-device activation budget whenever one microbatch in flight per
-    stage fits it."""
+    stage fits it. Raises PlanError when the budget leaves no device anything to run."""
     forward, backward, weight, activation, output = _stage_arrays(structure, costs, policy.split_backward)
     num_stages, num_devices, m = structure.num_stages, structure.num_devices, num_microbatches
     placement = structure.placement
-    caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget, memory)
+    caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
     keep = memory.weight_memory_fraction if policy.split_backward else 0.0
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
+    # W ops a stage may keep waiting: a global limit, or (zero-bubble H1 style) as many as its
+    # device's rank in the pipeline, so the devices that finish last keep W for their drain
+    rank_of = sorted(range(num_devices), key=lambda d: (stages_of[d][0] if stages_of[d] else num_stages, d))
+    depth_rank = {d: r for r, d in enumerate(rank_of)}
+    pending_limit = [min(policy.max_pending_w, depth_rank[placement[s]]) if policy.pending_w_by_depth
+                     else policy.max_pending_w for s in range(num_stages)]
     if policy.depth_first:
         stages_of = [list(reversed(ss)) for ss in stages_of]
     # per stage: next microbatch for F, B, W; arrival time of each microbatch's input / gradient
@@ -166,8 +205,12 @@ def list_schedule(
     link_free: dict[tuple[int, int], float] = {}
     orders: list[list[Op]] = [[] for _ in range(num_devices)]
     remaining = [len(stages_of[d]) * m * (3 if policy.split_backward else 2) for d in range(num_devices)]
-    bandwidth = {}
+    bandwidth: dict[tuple[int, int], float] = {}
     latency_ms = cluster.latency_s * 1e3
+
+    idle_since: list[float | None] = [None] * num_devices
+    """When a device found nothing to run: it then sleeps until its next known input arrives, and a
+    new input produced for it wakes it earlier (at the arrival, not before it went idle)."""
 
     def send(src: int, dst: int, finish: float, size: float) -> float:
         if src == dst:
@@ -179,22 +222,36 @@ def list_schedule(
         begin = max(finish, link_free.get(link, 0.0))
         arrive = begin + latency_ms + size / bw
         link_free[link] = arrive
+        idle = idle_since[dst]
+        if idle is not None and clock[dst] > arrive:
+            clock[dst] = max(arrive, idle)
         return arrive
 
-    active = set(d for d in range(num_devices) if remaining[d])
-    blocked: set[int] = set()  # devices that found nothing to run at their clock since the last op
+    active = [d for d in range(num_devices) if remaining[d]]
+    waiting_w: set[int] = set()  # devices that hold back a lazy W while they wait
+    forced: set[int] = set()  # ... and must run it after all: nothing else can happen
     while active:
-        device = min(active - blocked, key=lambda d: (clock[d], d), default=-1)
+        device, soonest = -1, math.inf
+        for d in active:
+            if clock[d] < soonest:
+                device, soonest = d, clock[d]
+        if device < 0 and waiting_w:
+            for d in sorted(waiting_w):
+                clock[d] = idle_since[d] if idle_since[d] is not None else 0.0
+                forced.add(d)
+            waiting_w.clear()
+            continue
         if device < 0:
-            stuck = min(active)
+            stuck = active[0]
             raise PlanError(
-                f"list scheduler stalled: no device can run an op (device {stuck} at {clock[stuck]:.3f} ms; "
-                f"in-flight caps {caps}, activation budget {budget[stuck]:.4g} bytes); raise the memory limit or "
-                "use more stages"
+                f"list scheduler stalled: no device can run an op (device {stuck}; in-flight caps {caps}, activation "
+                f"budget {budget[stuck]:.4g} bytes); raise the memory limit or use more stages"
             )
         now = clock[device]
         best = None  # (rank tuple, kind, stage, ready)
-        earliest = math.inf
+        filler = None  # the W to run when nothing else is ready
+        f_blocked = False  # a forward is ready but the budget or its cap holds it back
+        earliest = earliest_b = math.inf
         for s in stages_of[device]:
             # B: oldest microbatch whose F is done and whose gradient has arrived
             mb = next_b[s]
@@ -205,17 +262,22 @@ def list_schedule(
                         rank = (0, mb, -s)
                         if best is None or rank < best[0]:
                             best = (rank, _B, s, ready)
-                    elif ready < earliest:
-                        earliest = ready
+                    else:
+                        earliest = min(earliest, ready)
+                        earliest_b = min(earliest_b, ready)
             # W: weight gradients fill gaps; urgent when too many wait
             mb = next_w[s]
             if policy.split_backward and mb < next_b[s]:
                 ready = b_end[s][mb]
-                urgent = next_b[s] - mb > policy.max_pending_w
+                urgent = next_b[s] - mb > pending_limit[s]
                 if ready <= now:
-                    rank = (1 if urgent else 3, mb, -s)
-                    if best is None or rank < best[0]:
-                        best = (rank, _W, s, ready)
+                    if urgent:
+                        # eager: an urgent W goes before forwards; lazy: right after them
+                        rank = (2.5 if policy.lazy_w else 1, mb, -s)
+                        if best is None or rank < best[0]:
+                            best = (rank, _W, s, ready)
+                    elif filler is None or (mb, -s) < filler[0]:
+                        filler = ((mb, -s), _W, s, ready)
                 elif ready < earliest:
                     earliest = ready
             # F: within the stage's in-flight cap and the device's activation budget
@@ -233,20 +295,38 @@ def list_schedule(
                     fits = need <= budget[device] + 1e-6 or live[device] <= 1e-9
                     if ready <= now:
                         if fits:
-                            rank = (2, 0, -s) if policy.depth_first else (2, mb, s)
+                            rank = (2, 0, s) if policy.shallow_first else (2, 0, -s) if policy.depth_first else (2, mb, s)
                             if best is None or rank < best[0]:
                                 best = (rank, _F, s, ready)
+                        else:
+                            f_blocked = True
                     elif ready < earliest:
                         earliest = ready
+            elif mb < m and f_arrival[s][mb] >= 0 and f_arrival[s][mb] <= now:
+                f_blocked = True
+        if best is None and filler is not None:
+            # a lazy W waits for the drain (when the device has issued all its forwards) or for
+            # memory to run out: the drain's gaps are where nothing else can fill in
+            drain = all(next_f[t] >= m for t in stages_of[device])
+            if not policy.lazy_w or drain or f_blocked or device in forced:
+                best = filler
         if best is None:
-            later = [clock[d] for d in active if d != device and clock[d] > now]
-            wake = min([earliest, *later], default=math.inf)
-            if wake == math.inf:
-                blocked.add(device)
-            else:
-                clock[device] = wake
+            if idle_since[device] is None:
+                idle_since[device] = now
+            clock[device] = earliest
+            if filler is not None:
+                waiting_w.add(device)
             continue
-        blocked.clear()
+        waiting_w.discard(device)
+        forced.discard(device)
+        if policy.lookahead and best[1] is not _B and earliest_b < math.inf:
+            length = forward[best[2]] if best[1] is _F else weight[best[2]]
+            if earliest_b - now < policy.lookahead * length:
+                if idle_since[device] is None:
+                    idle_since[device] = now
+                clock[device] = earliest_b
+                continue
+        idle_since[device] = None
         _, kind, s, ready = best
         start = max(now, ready)
         if kind is _F:
@@ -274,22 +354,52 @@ def list_schedule(
         clock[device] = finish
         remaining[device] -= 1
         if not remaining[device]:
-            active.discard(device)
-    stages = tuple(Stage(i, a, b, placement[i]) for i, (a, b) in
-                   enumerate(zip(structure.boundaries[:-1], structure.boundaries[1:])))
-    return PipelinePlan(num_devices, m, stages, tuple(tuple(ops) for ops in orders))
+            active.remove(device)
+    return PipelinePlan(num_devices, m, structure.stages(), tuple(tuple(ops) for ops in orders))
 
 
-# -- search ------------------------------------------------------------------------------------
+# -- policies -------------------------------------------------------------------------------------
 
 POLICIES: tuple[Policy, ...] = tuple(
-    Policy(split_backward=split, depth_first=depth, inflight_slack=slack, max_pending_w=pending)
+    Policy(split_backward=split, depth_first=depth, inflight_slack=slack, max_pending_w=pending,
+           roundtrip_caps=caps, reserve=reserve)
     for split in (True, False)
     for depth in (True, False)
-    for slack in (0, 1, 2, 3)
+    for caps, slack, reserve in ((True, 0, 0), (True, 1, 0), (True, 2, 0), (True, 3, 0), (False, 0, 0), (False, 0, 1))
     for pending in ((1 << 30, 2) if split else (1 << 30,))
 )
+"""Every policy the tuner tries on its most promising structures."""
 
+SCREEN_POLICIES: tuple[Policy, ...] = (
+    Policy(roundtrip_caps=False, reserve=1),
+    Policy(roundtrip_caps=False, reserve=0),
+    Policy(roundtrip_caps=True, inflight_slack=2, reserve=0),
+    Policy(roundtrip_caps=True, inflight_slack=0, reserve=0),
+    Policy(roundtrip_caps=False, reserve=1, lookahead=0.2),
+    Policy(roundtrip_caps=False, reserve=1, max_pending_w=2),
+)
+"""The policies that win most often, tried on every candidate structure first."""
+
+
+def _policy_neighbours(policy: Policy) -> list[Policy]:
+    neighbours = [
+        replace(policy, inflight_slack=policy.inflight_slack + 1),
+        replace(policy, roundtrip_caps=not policy.roundtrip_caps),
+        replace(policy, inflight_slack=max(-2, policy.inflight_slack - 1)),
+        replace(policy, reserve=1 - min(policy.reserve, 1)),
+        replace(policy, lookahead=0.2 if policy.lookahead == 0 else 0.0),
+        replace(policy, depth_first=not policy.depth_first),
+        replace(policy, split_backward=not policy.split_backward),
+        replace(policy, max_pending_w=2 if policy.max_pending_w > 2 else 1 << 30),
+        replace(policy, max_pending_w=1),
+        replace(policy, pending_w_by_depth=not policy.pending_w_by_depth),
+        replace(policy, lazy_w=not policy.lazy_w),
+        replace(policy, shallow_first=not policy.shallow_first),
+    ]
+    return [p for p in neighbours if p != policy]
+
+
+# -- search state ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Candidate:
@@ -318,59 +428,80 @@ class TuneResult:
     history: list[tuple[float, float, str]] = field(default_factory=list)
     """(seconds since start, iteration ms, what improved) for every kept improvement."""
     evaluations: int = 0
+    work: int = 0
+    """Ops list-scheduled and simulated: the deterministic measure of the search's effort."""
     cut_short: bool = False
+    """The wall-clock limit stopped the search before its work budget did."""
     seconds: float = 0.0
+    structures: int = 0
 
 
 class _Search:
-    """Shared state of one tuning run: evaluation with memoisation, the best feasible plan."""
+    """Shared state of one tuning run: evaluation with memoisation, budgets, the best feasible plan."""
 
     def __init__(self, costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
                  activation_budget: Sequence[float] | None, memory_limit_bytes: float | None, memory: MemoryModel,
-                 deadline: float, progress: Callable[[str], None] | None, started: float) -> None:
+                 work_limit: int, deadline: float, progress: Callable[[str], None] | None, started: float) -> None:
         self.costs, self.cluster, self.m, self.p = costs, cluster, num_microbatches, num_devices
         self.activation_budget = list(activation_budget) if activation_budget is not None else None
         self.memory_limit = memory_limit_bytes
         self.memory = memory
+        self.work_limit = work_limit
         self.deadline = deadline
         self.progress = progress
         self.started = started
         self.evaluations = 0
+        self.work = 0
+        self.cut_short = False
         self.best: Candidate | None = None
         self.history: list[tuple[float, float, str]] = []
         self.scheduled: dict[tuple[Structure, Policy], Candidate | None] = {}
+        self.seen_orders: set[int] = set()
 
-    def out_of_time(self) -> bool:
-        return time.perf_counter() >= self.deadline
+    def exhausted(self) -> bool:
+        """True when the work budget or the wall clock is spent. The search is one fixed sequence
+        of steps that the budget only truncates, so a larger budget never finds a worse plan."""
+        if self.work >= self.work_limit:
+            return True
+        if time.perf_counter() >= self.deadline:
+            self.cut_short = True
+            return True
+        return False
 
     def budget_for(self, structure: Structure) -> list[float] | None:
         """Per-device activation budget: the explicit one, and what the memory limit leaves after
         weights, gradients and optimizer state."""
         budget = list(self.activation_budget) if self.activation_budget is not None else None
         if self.memory_limit is not None:
-            static = [0.0] * self.p
-            for s, (a, b) in enumerate(zip(structure.boundaries[:-1], structure.boundaries[1:])):
-                static[structure.placement[s]] += self.costs.range_sum("params", a, b) * self.memory.state_bytes_per_param_byte
-            room = [self.memory_limit - x for x in static]
+            room = [self.memory_limit - x for x in self.static_memory(structure)]
             budget = room if budget is None else [min(a, b) for a, b in zip(budget, room)]
         return budget
+
+    def static_memory(self, structure: Structure) -> list[float]:
+        static = [0.0] * self.p
+        for s, (a, b) in enumerate(zip(structure.boundaries[:-1], structure.boundaries[1:])):
+            static[structure.placement[s]] += self.costs.range_sum("params", a, b) * self.memory.state_bytes_per_param_byte
+        return static
 
     def overshoot(self, peak_activation: Sequence[float], peak_memory: Sequence[float]) -> float:
         worst = 0.0
         if self.activation_budget is not None:
             for need, have in zip(peak_activation, self.activation_budget):
-                if need > have + 1e-6:
+                if need > have * (1 + 1e-9) + 1e-6:
                     worst = max(worst, need / max(have, 1e-9) - 1)
-        if self.memory_limit is not None:
-            worst = max(worst, max(peak_memory) / self.memory_limit - 1 if max(peak_memory) > self.memory_limit + 1e-6 else 0.0)
+        if self.memory_limit is not None and max(peak_memory) > self.memory_limit * (1 + 1e-9):
+            worst = max(worst, max(peak_memory) / self.memory_limit - 1)
         return worst
 
     def evaluate(self, plan: PipelinePlan, origin: str, structure: Structure, policy: Policy | None) -> Candidate | None:
         self.evaluations += 1
+        self.work += plan.num_ops()
         try:
-            ms, peak_memory, peak_activation = _fast_eval(plan, self.costs, self.cluster, self.memory)
+            ms, peak_memory = iteration_time(plan, self.costs, self.cluster, memory=self.memory)
         except PlanError:
             return None
+        static = self.static_memory(structure)
+        peak_activation = tuple(max(0.0, total - fixed) for total, fixed in zip(peak_memory, static))
         candidate = Candidate(plan, ms, peak_activation, peak_memory, self.overshoot(peak_activation, peak_memory),
                               origin, structure, policy)
         if candidate.feasible and (self.best is None or candidate.iteration_ms < self.best.iteration_ms - 1e-9):
@@ -385,6 +516,7 @@ class _Search:
         key = (structure, policy)
         if key in self.scheduled:
             return self.scheduled[key]
+        self.work += structure.num_stages * self.m * (3 if policy.split_backward else 2)
         try:
             plan = list_schedule(structure, self.costs, self.cluster, self.m, policy, self.budget_for(structure),
                                  self.memory)
@@ -394,31 +526,24 @@ class _Search:
         self.scheduled[key] = candidate
         return candidate
 
-    def best_policy(self, structure: Structure, origin: str, policies: Sequence[Policy] = ()) -> Candidate | None:
+    def best_policy(self, structure: Structure, origin: str, policies: Sequence[Policy]) -> Candidate | None:
         best = None
-        for policy in policies or POLICIES:
-            if self.out_of_time():
+        for policy in policies:
+            if self.exhausted():
                 break
             candidate = self.schedule(structure, policy, origin)
             if candidate is not None and (best is None or candidate.score < best.score):
                 best = candidate
         return best
 
+    def top_policies(self, structure: Structure, count: int) -> list[Policy]:
+        """The `count` best policies tried so far on `structure`."""
+        tried = [(c.score, i, policy) for i, ((s, policy), c) in enumerate(self.scheduled.items())
+                 if s == structure and c is not None]
+        return [policy for _, _, policy in sorted(tried)[:count]]
 
-def _fast_eval(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, memory: MemoryModel):
-    result = simulate(plan, costs, cluster, memory=memory)
-    return result.iteration_ms, result.peak_memory_bytes, result.peak_activation_bytes
 
-
-POLICIES: tuple[Policy, ...] = tuple(
-    Policy(split_backward=split, depth_first=depth, inflight_slack=slack, max_pending_w=pending,
-           roundtrip_caps=caps, reserve=reserve)
-    for split in (True, False)
-    for depth in (True, False)
-    for caps, slack, reserve in ((True, 0, 0), (True, 1, 0), (True, 2, 0), (True, 3, 0), (False, 0, 0), (False, 0, 1))
-    for pending in ((1 << 30, 2) if split else (1 << 30,))
-)
-
+# -- structures -----------------------------------------------------------------------------------
 
 def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:
     """Named stage -> device maps for `num_stages` stages: looped (s mod p) and zigzag (V:
@@ -433,16 +558,48 @@ def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:
     return result
 
 
-def stage_counts(num_devices: int, num_layers: int) -> list[int]:
-    counts = []
-    for numerator in (2, 3, 4, 6, 8):  # p, 1.5p, 2p, 3p, 4p
-        count = num_devices * numerator // 2
-        if num_devices <= count <= num_layers and count not in counts:
-            counts.append(count)
-    if not counts:
-        counts.append(min(num_devices, num_layers))
-    return counts
+def stage_counts(num_devices: int, num_layers: int, max_laps: int = 8) -> list[int]:
+    """p, 2p, 3p, ... stages up to `max_laps` laps and one layer per stage, and the layer count
+    itself (one layer per stage) when it is not a multiple of p."""
+    counts = [num_devices * laps for laps in range(1, max_laps + 1) if num_devices * laps <= num_layers]
+    if num_layers not in counts and num_layers <= num_devices * max_laps and num_layers > num_devices:
+        counts.append(num_layers)
+    return counts or [min(num_devices, num_layers)]
 
+
+def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: int, *, seed: int = 0,
+                         structure_work: float = 0.3) -> list[tuple[Structure, str]]:
+    """Looped and zigzag placements of every stage count in `stage_counts`, each with device-
+    balanced, stage-balanced and release-aware boundaries (see the module doc), de-duplicated."""
+    from octopipe.schedules import balanced_boundaries, balanced_partition, uniform_boundaries
+    from octopipe.solver import balanced_structure, layer_loads
+
+    p, num_layers = num_devices, len(costs)
+    loads = layer_loads(costs)
+    found: dict[Structure, str] = {}
+    for count in stage_counts(p, num_layers):
+        for label, placement in placements(p, count).items():
+            if count == p and label == "zigzag":
+                continue
+            options = [
+                ("device-balanced", balanced_partition(loads, placement, start=uniform_boundaries(num_layers, count))),
+                ("stage-balanced", balanced_boundaries(loads, count)),
+            ]
+            released = balanced_structure(costs, p, count, placement, num_microbatches=num_microbatches,
+                                          work=structure_work, seed=seed, hint=options[0][1])
+            if released is not None:
+                options.append(("release-aware", released[0]))
+            for how, bounds in options:
+                found.setdefault(Structure(tuple(bounds), placement, p), f"{count} stages {label} {how}")
+        if p < count <= 3 * p:
+            free = balanced_structure(costs, p, count, None, num_microbatches=num_microbatches, work=structure_work,
+                                      seed=seed)
+            if free is not None:
+                found.setdefault(Structure(free[0], free[1], p), f"{count} stages free placement release-aware")
+    return list(found.items())
+
+
+# -- the search -----------------------------------------------------------------------------------
 
 def tune(
     costs: CostTable,
@@ -450,89 +607,119 @@ def tune(
     num_microbatches: int,
     *,
     num_devices: int | None = None,
-    time_limit_s: float = 30.0,
+    time_limit_s: float = 60.0,
+    effort: float = 1.0,
     activation_budget: Sequence[float] | None = None,
     memory_limit_bytes: float | None = None,
     memory: MemoryModel = MemoryModel(),
     seed: int = 0,
     start_plans: dict[str, PipelinePlan] | None = None,
     progress: Callable[[str], None] | None = None,
-    structure_time_s: float = 1.0,
+    patience: int = 8,
 ) -> TuneResult:
     """Search partition, placement and order; return the best plan that fits the memory limits.
-    Deterministic for a given input and seed (the time limit can only cut the search shorter)."""
-    from octopipe.solver import balanced_structure
 
+    `effort` scales the work budget (`DEFAULT_WORK` ops scheduled or simulated): the result is a
+    function of the input, `effort` and `seed` alone unless `time_limit_s` runs out first
+    (`TuneResult.cut_short`). The search is one fixed sequence of steps that the budget only
+    truncates, so more effort never returns a slower plan. Raises PlanError when no plan it
+    tried fits the limits."""
     started = time.perf_counter()
     p = num_devices or cluster.num_devices
+    work_limit = int(DEFAULT_WORK * effort)
     search = _Search(costs, cluster, num_microbatches, p, activation_budget, memory_limit_bytes, memory,
-                     started + time_limit_s, progress, started)
+                     work_limit, started + time_limit_s, progress, started)
     rng = random.Random(seed)
     starts: list[Candidate] = []
-    # 1. every baseline as given (its order is a good start even where it needs too much memory)
+    # 1. every baseline as given (its order is a template even where it needs too much memory)
     structures: list[tuple[Structure, str]] = []
     for name, plan in sorted((start_plans or {}).items()):
         candidate = search.evaluate(plan, f"baseline {name}", Structure.of(plan), None)
         if candidate is not None:
             starts.append(candidate)
         structures.append((Structure.of(plan), f"{name} structure"))
-    # 2. load-balanced structures: p, 1.5p, 2p, ... stages in looped, zigzag and free placements
-    for count in stage_counts(p, len(costs)):
-        for label, pattern in placements(p, count).items():
-            if search.out_of_time():
-                break
-            found = balanced_structure(costs, p, count, pattern, time_limit_s=structure_time_s, seed=seed)
-            if found:
-                structures.append((Structure(found[0], found[1], p), f"balanced {count} stages {label}"))
-        if count > p and not search.out_of_time():
-            found = balanced_structure(costs, p, count, None, time_limit_s=structure_time_s, seed=seed)
-            if found:
-                structures.append((Structure(found[0], found[1], p), f"balanced {count} stages free placement"))
+    # 2. candidate structures, screened with a few policies, the best with all of them
+    structures += candidate_structures(costs, p, num_microbatches, seed=seed)
     unique: dict[Structure, str] = {}
     for structure, label in structures:
         unique.setdefault(structure, label)
-    for structure, label in unique.items():
-        if search.out_of_time():
+    screened: list[tuple[tuple[float, float], int, Structure, str]] = []
+    for index, (structure, label) in enumerate(unique.items()):
+        if search.exhausted():
             break
-        candidate = search.best_policy(structure, label)
+        candidate = search.best_policy(structure, label, SCREEN_POLICIES)
+        if candidate is not None:
+            screened.append((candidate.score, index, structure, label))
+    screened.sort()
+    for _, _, structure, label in screened[:6]:
+        if search.exhausted():
+            break
+        candidate = search.best_policy(structure, label, POLICIES)
         if candidate is not None:
             starts.append(candidate)
-    # 3. local moves from the most promising starts (feasible first, then the fastest repairs)
-    starts.sort(key=lambda c: (not c.feasible, c.iteration_ms))
-    for candidate in starts[:6]:
-        if search.out_of_time():
-            break
-        _local_search(search, candidate, rng)
-    # 4. order moves on the best plan: W into gaps, F earlier
-    if search.best is not None and not search.out_of_time():
+    # 3. hill climbing from the most promising distinct starts: the fastest plans that fit, and
+    #    the fastest that do not by a little (a baseline's order over the limit is repaired by
+    #    moving boundaries under it)
+    feasible = sorted((c for c in starts if c.feasible), key=lambda c: (c.iteration_ms, c.origin))
+    repairable = sorted((c for c in starts if not c.feasible and c.overshoot <= 0.15),
+                        key=lambda c: (c.iteration_ms, c.origin))
+    climbed: set[Structure] = set()
+    for group, count in ((feasible, 4), (repairable, 2)):
+        used = 0
+        for candidate in group:
+            if used >= count or search.exhausted():
+                break
+            if candidate.structure in climbed and candidate.policy is not None:
+                continue
+            climbed.add(candidate.structure)
+            used += 1
+            _local_search(search, candidate, rng)
+    # 4. iterated local search: perturb the best structure by a few random moves, climb again;
+    #    stop after `patience` rounds without a better plan (or when the budget is spent)
+    stale = 0
+    while search.best is not None and stale < patience and not search.exhausted():
+        before = search.best.iteration_ms
+        structure = search.best.structure
+        for _ in range(rng.randint(2, 4)):
+            moves = _structure_moves(structure, structure.device_loads(costs))
+            if not moves:
+                break
+            structure = moves[rng.randrange(len(moves))][0]
+        candidate = search.best_policy(structure, f"{search.best.origin}; perturbed", SCREEN_POLICIES[:3])
+        if candidate is not None:
+            _local_search(search, candidate, rng)
+        stale = stale + 1 if search.best.iteration_ms >= before - 1e-9 else 0
+    # 5. order moves on the best plan: W into gaps, F earlier
+    if search.best is not None and not search.exhausted():
         _order_moves(search, search.best)
     if search.best is None:
         raise PlanError("the tuner found no plan that fits the memory limits")
-    return TuneResult(search.best, search.history, search.evaluations, search.out_of_time(),
-                      time.perf_counter() - started)
+    return TuneResult(search.best, search.history, search.evaluations, search.work, search.cut_short,
+                      time.perf_counter() - started, len(unique))
 
 
 def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Candidate:
-    """Hill-climb on (memory overshoot, iteration time): boundary shifts that keep the op order,
-    boundary shifts and stage swaps re-ordered by the list scheduler, policy neighbours. Only
-    strict improvements are kept."""
+    """Hill-climb on (memory overshoot, iteration time): structure moves re-ordered by the list
+    scheduler with the structure's best policies, boundary moves under the current order, policy
+    neighbours. Only strict improvements are kept; moves are tried in a seeded random order."""
     current = start
-    while not search.out_of_time():
-        moves = _structure_moves(current.structure, search.costs)
+    while not search.exhausted():
+        moves = _structure_moves(current.structure, current.structure.device_loads(search.costs))
         rng.shuffle(moves)
+        policies = search.top_policies(current.structure, 3) or [SCREEN_POLICIES[0], SCREEN_POLICIES[2]]
         found = None
         for structure, label, keeps_order in moves:
-            if search.out_of_time():
+            if search.exhausted():
                 break
-            if keeps_order:
-                plan = PipelinePlan(current.plan.num_devices, current.plan.num_microbatches,
-                                    _stages(structure), current.plan.device_ops)
+            if keeps_order and current.policy is None:
+                plan = PipelinePlan(current.plan.num_devices, current.plan.num_microbatches, structure.stages(),
+                                    current.plan.device_ops)
                 candidate = search.evaluate(plan, f"{current.origin}; {label}", structure, None)
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
-            for policy in _policy_neighbours(current.policy)[:2] if current.policy else (POLICIES[0], POLICIES[4]):
-                candidate = search.schedule(structure, policy, f"{current.origin}; {label} + reorder")
+            for policy in policies:
+                candidate = search.schedule(structure, policy, f"{current.origin}; {label}")
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
@@ -540,6 +727,8 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 break
         if found is None and current.policy is not None:
             for policy in _policy_neighbours(current.policy):
+                if search.exhausted():
+                    break
                 candidate = search.schedule(current.structure, policy, f"{current.origin}; policy")
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
@@ -550,53 +739,44 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
     return current
 
 
-def _stages(structure: Structure) -> tuple[Stage, ...]:
-    return tuple(Stage(i, a, b, structure.placement[i])
-                 for i, (a, b) in enumerate(zip(structure.boundaries[:-1], structure.boundaries[1:])))
-
-
-def _structure_moves(structure: Structure, costs: CostTable) -> list[tuple[Structure, str, bool]]:
-    """(new structure, label, whether the old op order stays valid) for every neighbour."""
+def _structure_moves(structure: Structure, loads: Sequence[float] | None = None) -> list[tuple[Structure, str, bool]]:
+    """(new structure, label, whether the old op order stays valid) for every neighbour: each
+    boundary moved by one or two layers; two stages of one lap (p consecutive stages) swapping
+    devices (the flow stays regular: a microbatch still visits every device once per lap); with
+    the devices' `loads`, a stage of the busiest device moved to a light one."""
     moves = []
     bounds = list(structure.boundaries)
+    p = structure.num_devices
     for i in range(1, len(bounds) - 1):
-        for delta in (-1, 1):
+        for delta in (-1, 1, -2, 2):
             new = bounds[i] + delta
             if bounds[i - 1] < new < bounds[i + 1]:
                 moved = list(bounds)
                 moved[i] = new
-                moves.append((Structure(tuple(moved), structure.placement, structure.num_devices),
-                              f"boundary {i} {'-' if delta < 0 else '+'}1", True))
+                moves.append((Structure(tuple(moved), structure.placement, p), f"boundary {i} {delta:+d}", True))
     placement = structure.placement
-    loads = structure.device_loads(costs)
-    heavy = max(range(structure.num_devices), key=lambda d: loads[d])
     for s in range(structure.num_stages):
-        if placement[s] != heavy:
-            continue
-        for t in range(structure.num_stages):
-            if placement[t] == heavy:
+        for t in range(s + 1, min(structure.num_stages, (s // p + 1) * p)):
+            if placement[s] != placement[t]:
+                swapped = list(placement)
+                swapped[s], swapped[t] = swapped[t], swapped[s]
+                moves.append((Structure(structure.boundaries, tuple(swapped), p), f"swap stages {s},{t}", False))
+    if loads is not None:
+        # a stage of the busiest device to one of the two lightest (devices then hold different
+        # numbers of stages: what a heavy layer, like a big-vocabulary head, needs)
+        order = sorted(range(p), key=lambda d: (loads[d], d))
+        busiest = order[-1]
+        for s in range(structure.num_stages):
+            if placement[s] != busiest:
                 continue
-            swapped = list(placement)
-            swapped[s], swapped[t] = swapped[t], swapped[s]
-            moves.append((Structure(structure.boundaries, tuple(swapped), structure.num_devices),
-                          f"swap stages {s},{t}", False))
+            for target in order[:2]:
+                neighbours = {placement[t] for t in (s - 1, s + 1) if 0 <= t < structure.num_stages}
+                if target == busiest or target in neighbours:
+                    continue
+                moved = list(placement)
+                moved[s] = target
+                moves.append((Structure(structure.boundaries, tuple(moved), p), f"stage {s} to device {target}", False))
     return moves
-
-
-def _policy_neighbours(policy: Policy | None) -> list[Policy]:
-    if policy is None:
-        return []
-    neighbours = [
-        replace(policy, inflight_slack=policy.inflight_slack + 1),
-        replace(policy, roundtrip_caps=not policy.roundtrip_caps),
-        replace(policy, inflight_slack=max(-2, policy.inflight_slack - 1)),
-        replace(policy, reserve=1 - min(policy.reserve, 1)),
-        replace(policy, depth_first=not policy.depth_first),
-        replace(policy, split_backward=not policy.split_backward),
-        replace(policy, max_pending_w=2 if policy.max_pending_w > 2 else 1 << 30),
-        replace(policy, max_pending_w=1),
-    ]
-    return [p for p in neighbours if p != policy]
 
 
 def _order_moves(search: _Search, start: Candidate, max_rounds: int = 200) -> None:
@@ -604,7 +784,7 @@ def _order_moves(search: _Search, start: Candidate, max_rounds: int = 200) -> No
     into the gap, re-simulate, keep strict improvements."""
     current = start
     for _ in range(max_rounds):
-        if search.out_of_time():
+        if search.exhausted():
             return
         result = simulate(current.plan, search.costs, search.cluster, memory=search.memory)
         gaps = []
@@ -613,9 +793,9 @@ def _order_moves(search: _Search, start: Candidate, max_rounds: int = 200) -> No
                 gap = result.op_start[ops[index]] - result.op_end[ops[index - 1]]
                 if gap > 1e-9:
                     gaps.append((gap, device, index))
-        gaps.sort(reverse=True)
+        gaps.sort(key=lambda g: (-g[0], g[1], g[2]))
         improved = False
-        for gap, device, index in gaps[:8]:
+        for _, device, index in gaps[:8]:
             ops = list(current.plan.device_ops[device])
             gap_end = result.op_start[ops[index]]
             for later in range(index + 1, min(len(ops), index + 24)):
@@ -629,6 +809,8 @@ def _order_moves(search: _Search, start: Candidate, max_rounds: int = 200) -> No
                 device_ops[device] = tuple(moved)
                 candidate = search.evaluate(current.plan.with_ops(device_ops), f"{current.origin}; fill gap",
                                             current.structure, current.policy)
+                if search.exhausted():
+                    return
                 if candidate is not None and candidate.score < current.score:
                     current = candidate
                     improved = True

@@ -1,0 +1,173 @@
+"""`octopipe.plan`: the plan it returns simulates to what its report says, fits the limits, never
+loses to a baseline that fits, is deterministic; bad inputs fail with the fix in the message."""
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import octopipe
+from octopipe import ClusterSpec, CostTable, InfeasibleError, LayerCost, PipelinePlan
+from octopipe.simulator import simulate
+
+GiB = 2**30
+
+
+def heterogeneous(seed, num_layers=10, params=0):
+    rng = random.Random(seed)
+    layers = []
+    for i in range(num_layers):
+        forward = rng.uniform(0.5, 3.0) * (4 if i == num_layers - 1 else 1)
+        backward = forward * rng.uniform(1.5, 2.5)
+        layers.append(LayerCost(f"l{i}", forward_ms=forward, backward_ms=backward,
+                                activation_bytes=rng.randint(1, 3) * 2**28, output_bytes=2**24,
+                                param_bytes=params))
+    return CostTable(layers)
+
+
+def check_result(result, costs, cluster, memory_limit=None):
+    report, plan = result.report, result.plan
+    plan.validate(len(costs))
+    sim = simulate(plan, costs, cluster)
+    assert sim.iteration_ms == pytest.approx(report.iteration_ms)
+    assert result.simulation.iteration_ms == pytest.approx(report.iteration_ms)
+    if report.activation_limit_bytes is not None:
+        assert max(sim.peak_activation_bytes) <= report.activation_limit_bytes * (1 + 1e-9)
+    assert max(sim.peak_memory_bytes) <= (memory_limit or cluster.memory_bytes) * (1 + 1e-9)
+    fitting = report.best_fitting_baseline
+    if fitting is not None:
+        assert report.iteration_ms <= fitting.iteration_ms + 1e-9
+    assert report.lower_bound_ms <= report.iteration_ms + 1e-6
+    assert report.lower_bound_ms >= 0.99 * report.balance_bound_ms  # less rounding slack; the release bound adds
+    assert PipelinePlan.parse(str(plan)) == plan
+
+
+def test_plan_report_matches_the_simulation_and_beats_what_fits():
+    costs = heterogeneous(1)
+    cluster = ClusterSpec.preset("h100x4")
+    result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
+    check_result(result, costs, cluster)
+    text = str(result.report)
+    for needle in ("1f1b/uniform", "zb-v/balanced", "octopipe tuner", "balance bound", "lower bound", "gap"):
+        assert needle in text
+    assert result.report.balance_bound_optimal
+    assert not result.report.cut_short
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4), st.sampled_from([1, 2, 4]))
+def test_plan_properties_on_random_heterogeneous_tables(seed, p, factor):
+    costs = heterogeneous(seed, num_layers=random.Random(seed).randint(p, 3 * p + 2))
+    cluster = ClusterSpec.preset("h100x8", num_devices=p)
+    result = octopipe.plan(costs, cluster, factor * p, activation_limit="1f1b", quiet=True, effort=0.02,
+                           solver=seed % 2 == 0)
+    check_result(result, costs, cluster)
+
+
+def test_plan_is_deterministic_for_a_seed():
+    costs = heterogeneous(3, num_layers=12)
+    cluster = ClusterSpec.preset("h100x4")
+    texts = {str(octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.03, seed=5).plan)
+             for _ in range(2)}
+    assert len(texts) == 1
+
+
+def test_more_effort_never_gives_a_slower_plan():
+    costs = heterogeneous(4, num_layers=12)
+    cluster = ClusterSpec.preset("h100x4")
+    times = [octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=effort, solver=False)
+             .report.iteration_ms for effort in (0.01, 0.04)]
+    assert times[1] <= times[0] + 1e-9
+
+
+def test_memory_limit_no_plan_can_meet_says_the_least_that_works():
+    costs = heterogeneous(2, params=2**30)  # 8 GiB of weights + state per layer
+    cluster = ClusterSpec.preset("h100x4")
+    with pytest.raises(InfeasibleError) as error:
+        octopipe.plan(costs, cluster, 8, memory_limit_bytes=10 * GiB, quiet=True)
+    message = str(error.value)
+    assert "GiB" in message and "more devices" in message and "Raise the memory limit to" in message
+
+
+def test_activation_limit_below_one_microbatch_is_infeasible_with_the_fix():
+    costs = heterogeneous(2)
+    cluster = ClusterSpec.preset("h100x4")
+    with pytest.raises(InfeasibleError, match="Raise activation_limit to at least"):
+        octopipe.plan(costs, cluster, 8, activation_limit=2**20, quiet=True)
+
+
+def test_tight_memory_limit_still_gets_a_plan_that_fits():
+    # weights + state leave room for about one microbatch's activations on each device
+    costs = heterogeneous(6, num_layers=8, params=2**28)
+    cluster = ClusterSpec.preset("h100x4")
+    static = sum(costs.params) * 8 / 4
+    limit = static * 1.3 + 3 * 2**28 * 2
+    result = octopipe.plan(costs, cluster, 8, memory_limit_bytes=limit, quiet=True, effort=0.02)
+    check_result(result, costs, cluster, memory_limit=limit)
+
+
+def test_time_limit_too_short_returns_a_valid_plan_and_says_it_was_cut_short():
+    costs = heterogeneous(8, num_layers=16)
+    cluster = ClusterSpec.preset("h100x4")
+    result = octopipe.plan(costs, cluster, 16, activation_limit="1f1b", quiet=True, time_limit_s=0.01)
+    check_result(result, costs, cluster)
+    assert result.report.cut_short
+    assert "cut short" in str(result.report)
+
+
+def test_bad_arguments_fail_clearly():
+    costs = heterogeneous(0, num_layers=3)
+    cluster = ClusterSpec.preset("h100x4")
+    with pytest.raises(octopipe.PlanError, match="num_devices"):
+        octopipe.plan(costs, cluster, 4, quiet=True)  # 4 devices, 3 layers
+    with pytest.raises(octopipe.PlanError, match="num_microbatches"):
+        octopipe.plan(costs, cluster.with_devices(2), 0, quiet=True)
+    with pytest.raises(octopipe.PlanError, match="activation_limit"):
+        octopipe.plan(costs, cluster.with_devices(2), 4, activation_limit="2f2b", quiet=True)
+
+
+def test_homogeneous_table_is_never_worse_than_the_best_fitting_baseline():
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=2**28, output_bytes=2**24)
+                       for i in range(16)])
+    cluster = ClusterSpec.preset("h100x4")
+    result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.03)
+    check_result(result, costs, cluster)
+    assert result.report.iteration_ms <= result.report.best_fitting_baseline.iteration_ms + 1e-9
+
+
+def test_report_to_dict_has_the_numbers():
+    costs = heterogeneous(9)
+    result = octopipe.plan(costs, ClusterSpec.preset("h100x2"), 4, quiet=True, effort=0.01)
+    data = result.report.to_dict()
+    assert data["iteration_ms"] == pytest.approx(result.report.iteration_ms)
+    assert data["lower_bound_ms"] <= data["iteration_ms"] + 1e-6
+    assert replace(result.report, notes=[]).gap == pytest.approx(result.report.gap)
+
+
+SCRIPT = """
+import random, octopipe
+from octopipe import ClusterSpec, CostTable, LayerCost
+rng = random.Random(12)
+layers = [LayerCost(f"l{i}", forward_ms=rng.uniform(0.5, 3), backward_ms=rng.uniform(1, 6),
+                    activation_bytes=rng.randint(1, 3) * 2**28, output_bytes=2**24) for i in range(10)]
+result = octopipe.plan(CostTable(layers), ClusterSpec.preset("h100x4"), 8, activation_limit="1f1b", quiet=True,
+                       effort=0.02)
+assert not result.report.cut_short
+print(result.plan)
+"""
+
+
+def test_plan_is_the_same_in_every_process():
+    # set and dict orders change with the hash seed between processes; the plan must not
+    texts = set()
+    for hash_seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+        out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        texts.add(out.stdout)
+    assert len(texts) == 1

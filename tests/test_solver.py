@@ -1,0 +1,235 @@
+"""The CP-SAT models and the exact balance bound: against brute force on tiny instances, and their
+contracts (valid plans, never worse than the hint, deterministic, bounds are bounds)."""
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
+from octopipe.ir.plan import Op, OpKind
+from octopipe.simulator import iteration_time, simulate
+from octopipe.solver import (
+    balance_bound,
+    balanced_structure,
+    layer_loads,
+    refine_order,
+    solve_joint,
+)
+from octopipe.tuner import Policy, Structure, list_schedule
+
+FREE = ClusterSpec(num_devices=2, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
+
+
+def table(forward, backward, weight=None, activation=None, output=None):
+    n = len(forward)
+    return CostTable([
+        LayerCost(f"l{i}", forward_ms=forward[i], backward_ms=backward[i],
+                  backward_weight_ms=None if weight is None else weight[i],
+                  activation_bytes=None if activation is None else activation[i],
+                  output_bytes=None if output is None else output[i])
+        for i in range(n)
+    ])
+
+
+# -- balance bound ------------------------------------------------------------------------------
+
+def brute_balance(loads, p):
+    best = math.inf
+    for assignment in itertools.product(range(p), repeat=len(loads)):
+        per = [0.0] * p
+        for load, device in zip(loads, assignment):
+            per[device] += load
+        best = min(best, max(per))
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=8), st.integers(2, 3))
+def test_balance_bound_is_the_exact_optimum_on_small_tables(loads, p):
+    costs = table([x / 10 for x in loads], [x / 5 for x in loads])
+    bound = balance_bound(costs, p)
+    exact = brute_balance(layer_loads(costs), p)
+    assert bound.optimal
+    assert bound.load_ms == pytest.approx(exact, abs=1e-9)
+    assert bound.lower_ms <= exact + 1e-9
+    per = [0.0] * p
+    for load, device in zip(layer_loads(costs), bound.assignment):
+        per[device] += load
+    assert max(per) == pytest.approx(bound.load_ms)
+
+
+def test_balance_bound_proves_near_equal_layers_on_many_devices_quickly():
+    # the hard case for bin-packing solvers: 40 almost equal layers (+ a heavy head), 16 devices
+    rng = random.Random(3)
+    forward = [6.0 + rng.uniform(-0.15, 0.15) for _ in range(39)] + [13.3]
+    backward = [11.1 + rng.uniform(-0.3, 0.3) for _ in range(39)] + [17.8]
+    costs = table(forward, backward)
+    for p in (3, 6, 12, 16):
+        bound = balance_bound(costs, p)
+        assert bound.optimal, (p, bound)
+        assert bound.lower_ms <= bound.load_ms <= bound.lower_ms + 0.5
+
+
+def test_balance_bound_with_more_devices_than_layers_is_the_largest_layer():
+    costs = table([1.0, 3.0], [2.0, 1.0])
+    bound = balance_bound(costs, 4)
+    assert bound.optimal and bound.load_ms == 4.0
+
+
+def test_balance_bound_cut_short_keeps_a_valid_lower_bound():
+    rng = random.Random(0)
+    costs = table([rng.uniform(1, 9) for _ in range(30)], [rng.uniform(2, 18) for _ in range(30)])
+    bound = balance_bound(costs, 5, node_budget=1, lp_rounds=1)
+    exact = balance_bound(costs, 5)
+    assert bound.lower_ms <= exact.load_ms + 1e-9 <= bound.load_ms + 1e-9
+
+
+# -- the joint model against brute force --------------------------------------------------------
+
+def device_orders(ops):
+    """Every order of `ops` that keeps F < B < W per (stage, microbatch) and the stage order of
+    one microbatch's F (ascending) and B (descending) on one device."""
+    present = set(ops)
+
+    def needs(op):
+        s, mb = op.stage, op.microbatch
+        if op.kind is OpKind.F:
+            return [Op(s - 1, OpKind.F, mb)] if Op(s - 1, OpKind.F, mb) in present else []
+        if op.kind is OpKind.B:
+            return [Op(s, OpKind.F, mb)] + ([Op(s + 1, OpKind.B, mb)] if Op(s + 1, OpKind.B, mb) in present else [])
+        return [Op(s, OpKind.B, mb)]
+
+    prerequisites = {op: needs(op) for op in ops}
+    result = []
+
+    def extend(done, sequence):
+        if len(sequence) == len(ops):
+            result.append(tuple(sequence))
+            return
+        for op in ops:
+            if op not in done and all(q in done for q in prerequisites[op]):
+                done.add(op)
+                sequence.append(op)
+                extend(done, sequence)
+                sequence.pop()
+                done.discard(op)
+
+    extend(set(), [])
+    return result
+
+
+def brute_force(costs, cluster, m, p, max_stages, split, budget=None):
+    best = math.inf
+    kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
+    L = len(costs)
+    for count in range(1, max_stages + 1):
+        for cuts in itertools.combinations(range(1, L), count - 1):
+            bounds = (0, *cuts, L)
+            for placement in itertools.product(range(p), repeat=count):
+                per_device = [device_orders([Op(s, k, mb) for s in range(count) if placement[s] == d
+                                             for mb in range(m) for k in kinds]) for d in range(p)]
+                base = PipelinePlan.build(m, bounds, placement, [[] for _ in range(p)], num_devices=p)
+                for orders in itertools.product(*per_device):
+                    try:
+                        ms, peak = iteration_time(base.with_ops(orders), costs, cluster)
+                    except PlanError:
+                        continue  # deadlocks
+                    if budget is not None and max(peak) > budget + 1e-6:
+                        continue
+                    best = min(best, ms)
+    return best
+
+
+TINY = [
+    table([2, 1, 3], [4, 6, 2], weight=[1, 3, 1], activation=[3000, 1000, 2000], output=[0, 0, 0]),
+    table([1, 3, 1], [5, 3, 6], weight=[2, 1, 3], activation=[1000, 4000, 1000], output=[0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("costs", TINY)
+@pytest.mark.parametrize("split, max_stages, budget", [(False, 3, None), (False, 3, 5000.0), (True, 2, None)])
+def test_solve_joint_matches_brute_force(costs, split, max_stages, budget):
+    m, p = 2, 2
+    expected = brute_force(costs, FREE, m, p, max_stages, split, budget)
+    solution = solve_joint(costs, FREE, m, max_stages=max_stages, split_backward=split,
+                           activation_budget=None if budget is None else [budget] * p, work=30)
+    assert solution is not None and solution.optimal
+    assert solution.objective_ms == pytest.approx(expected)
+    solution.plan.validate(len(costs))
+    result = simulate(solution.plan, costs, FREE)
+    assert result.iteration_ms == pytest.approx(expected)
+    if budget is not None:
+        assert max(result.peak_activation_bytes) <= budget + 1e-6
+
+
+def test_solve_joint_with_transfers_is_a_valid_lower_bound():
+    costs = table([2, 1, 3], [4, 6, 2], weight=[1, 3, 1], activation=[3000, 1000, 2000], output=[10**9] * 3)
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e12, latency_s=1e-3)
+    solution = solve_joint(costs, cluster, 2, max_stages=2, split_backward=True, work=30)
+    assert solution.optimal
+    simulated = simulate(solution.plan, costs, cluster).iteration_ms
+    assert solution.lower_bound_ms <= simulated + 1e-6
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(1, 4)), min_size=2, max_size=3),
+       st.integers(2, 6))
+def test_looser_memory_never_makes_the_exact_plan_slower(layers, budget_units):
+    costs = table([f for f, _, _ in layers], [b + 1 for _, b, _ in layers], weight=[1] * len(layers),
+                  activation=[a * 1000 for _, _, a in layers], output=[0] * len(layers))
+    times = []
+    for units in (budget_units, budget_units + 2):
+        solution = solve_joint(costs, FREE, 2, max_stages=2, split_backward=True,
+                               activation_budget=[units * 1000.0] * 2, work=20)
+        times.append(math.inf if solution is None else solution.objective_ms)
+    assert times[1] <= times[0] + 1e-9
+
+
+# -- structures and order refinement --------------------------------------------------------------
+
+def test_balanced_structure_is_valid_and_deterministic():
+    rng = random.Random(1)
+    costs = table([rng.uniform(1, 5) for _ in range(12)], [rng.uniform(2, 9) for _ in range(12)])
+    for placement in ((0, 1, 2, 0, 1, 2), None):
+        first = balanced_structure(costs, 3, 6, placement, num_microbatches=6)
+        assert first == balanced_structure(costs, 3, 6, placement, num_microbatches=6)
+        bounds, chosen = first
+        assert bounds[0] == 0 and bounds[-1] == 12 and all(a < b for a, b in zip(bounds, bounds[1:]))
+        assert len(chosen) == 6 and all(chosen[s] != chosen[s + 1] for s in range(5))
+
+
+def refine_case():
+    rng = random.Random(5)
+    n = 8
+    costs = table([rng.uniform(1, 3) for _ in range(n)], [rng.uniform(2, 6) for _ in range(n)],
+                  activation=[1000] * n, output=[10**6] * n)
+    cluster = ClusterSpec.preset("h100x4")
+    structure = Structure((0, 2, 4, 6, 8), (0, 1, 2, 3), 4)
+    plan = list_schedule(structure, costs, cluster, 4, Policy(), [4000.0] * 4)
+    return costs, cluster, plan
+
+
+def test_refine_order_is_never_worse_and_respects_the_budget():
+    costs, cluster, plan = refine_case()
+    before = simulate(plan, costs, cluster).iteration_ms
+    for max_window_ops in (1000, 20):  # the whole order, then windows of it
+        result = refine_order(plan, costs, cluster, work=2, activation_budget=[4000.0] * 4,
+                              max_window_ops=max_window_ops)
+        result.plan.validate(len(costs))
+        sim = simulate(result.plan, costs, cluster)
+        assert sim.iteration_ms == pytest.approx(result.iteration_ms)
+        assert result.iteration_ms <= before + 1e-9
+        assert max(sim.peak_activation_bytes) <= 4000.0 + 1e-6
+        if result.full_model and result.lower_bound_ms is not None:
+            assert result.lower_bound_ms <= result.iteration_ms + 1e-6
+
+
+def test_refine_order_is_deterministic():
+    costs, cluster, plan = refine_case()
+    first = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
+    second = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
+    assert str(first.plan) == str(second.plan)

@@ -1,0 +1,149 @@
+"""The tuner: list scheduling produces valid plans within the memory budget; the search keeps
+its contracts (never worse than its starts, within the limits, deterministic, more work never
+worse)."""
+
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from octopipe import ClusterSpec, CostTable, LayerCost, PlanError, schedules
+from octopipe.simulator import simulate
+from octopipe.tuner import (
+    POLICIES,
+    Policy,
+    Structure,
+    candidate_structures,
+    list_schedule,
+    placements,
+    stage_counts,
+    tune,
+)
+
+CLUSTER = ClusterSpec.preset("h100x8")
+
+
+def random_table(rng, num_layers, heavy_head=True):
+    layers = []
+    for i in range(num_layers):
+        forward = rng.uniform(0.5, 3.0)
+        if heavy_head and i == num_layers - 1:
+            forward *= 4
+        backward = forward * rng.uniform(1.5, 2.5)
+        layers.append(LayerCost(f"l{i}", forward_ms=forward, backward_ms=backward,
+                                backward_weight_ms=backward * rng.uniform(0.3, 0.6),
+                                activation_bytes=rng.randint(1, 4) * 2**20, output_bytes=2**20))
+    return CostTable(layers)
+
+
+def limit_1f1b(costs, cluster, m, p):
+    plans = schedules.baselines(costs, cluster, m, num_devices=p)
+    return max(max(simulate(plan, costs, cluster).peak_activation_bytes)
+               for name, plan in plans.items() if name.startswith("1f1b/")), plans
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4), st.integers(1, 3), st.integers(1, 8), st.sampled_from(POLICIES))
+def test_list_schedule_gives_valid_plans_within_the_budget(seed, p, laps, m, policy):
+    rng = random.Random(seed)
+    costs = random_table(rng, p * laps + rng.randint(0, 3))
+    count = p * laps
+    placement = placements(p, count)["zigzag" if seed % 2 else "looped"]
+    structure = Structure(schedules.balanced_partition([1.0] * len(costs), placement), placement, p)
+    one_each = max(sum(costs.range_sum("activation", a, b) for s, (a, b) in
+                       enumerate(zip(structure.boundaries, structure.boundaries[1:])) if placement[s] == d)
+                   for d in range(p))
+    budget = one_each * rng.uniform(1.0, 3.0)
+    try:
+        plan = list_schedule(structure, costs, CLUSTER, m, policy, [budget] * p)
+    except PlanError as exc:
+        assert "stalled" in str(exc)  # only a budget that leaves a device nothing to run
+        return
+    plan.validate(len(costs))
+    result = simulate(plan, costs, CLUSTER)
+    assert max(result.peak_activation_bytes) <= budget * (1 + 1e-9)
+
+
+def test_list_schedule_on_a_sequential_structure_never_loses_to_gpipe():
+    costs = random_table(random.Random(2), 8, heavy_head=False)
+    structure = Structure((0, 2, 4, 6, 8), (0, 1, 2, 3), 4)
+    gpipe = schedules.build("gpipe", costs, CLUSTER.with_devices(4), 8, partition=[0, 2, 4, 6, 8])
+    ours = min(simulate(list_schedule(structure, costs, CLUSTER, 8, policy), costs, CLUSTER).iteration_ms
+               for policy in POLICIES)
+    assert ours <= simulate(gpipe, costs, CLUSTER).iteration_ms + 1e-9
+
+
+def test_stage_counts_and_candidate_structures_are_valid():
+    assert stage_counts(4, 28) == [4, 8, 12, 16, 20, 24, 28]
+    assert stage_counts(8, 24) == [8, 16, 24]
+    assert stage_counts(4, 30) == [4, 8, 12, 16, 20, 24, 28, 30]
+    costs = random_table(random.Random(1), 10)
+    structures = candidate_structures(costs, 3, 6)
+    assert len({s for s, _ in structures}) == len(structures)
+    for structure, label in structures:
+        bounds = structure.boundaries
+        assert bounds[0] == 0 and bounds[-1] == 10 and all(a < b for a, b in zip(bounds, bounds[1:])), label
+        assert len(structure.placement) == len(bounds) - 1 and set(structure.placement) <= {0, 1, 2}, label
+
+
+def tune_case(seed=4, p=3, m=6, layers=9):
+    costs = random_table(random.Random(seed), layers)
+    cluster = CLUSTER.with_devices(p)
+    limit, plans = limit_1f1b(costs, cluster, m, p)
+    return costs, cluster, limit, plans
+
+
+def test_tune_fits_the_limits_and_beats_every_start_that_fits():
+    costs, cluster, limit, plans = tune_case()
+    result = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, effort=0.05)
+    best = result.best
+    best.plan.validate(len(costs))
+    sim = simulate(best.plan, costs, cluster)
+    assert sim.iteration_ms == pytest.approx(best.iteration_ms)
+    assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
+    fitting = [simulate(plan, costs, cluster) for plan in plans.values()]
+    fitting = [s.iteration_ms for s in fitting if max(s.peak_activation_bytes) <= limit * (1 + 1e-9)]
+    assert best.iteration_ms <= min(fitting) + 1e-9
+    assert result.history and result.history[-1][1] == pytest.approx(best.iteration_ms)
+
+
+def test_tune_is_deterministic_and_more_work_is_never_worse():
+    costs, cluster, limit, plans = tune_case(seed=7)
+    runs = {}
+    for effort in (0.01, 0.03, 0.03):
+        result = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, effort=effort, seed=1)
+        assert not result.cut_short
+        runs.setdefault(effort, []).append(result)
+    first, second = runs[0.03]
+    assert str(first.best.plan) == str(second.best.plan) and first.work == second.work
+    assert first.best.iteration_ms <= runs[0.01][0].best.iteration_ms + 1e-9
+
+
+def test_tune_respects_a_memory_limit_on_weights_and_activations():
+    rng = random.Random(9)
+    costs = random_table(rng, 8)
+    costs = costs.replace_layers([replace(layer, param_bytes=2**20) for layer in costs])
+    cluster = CLUSTER.with_devices(2)
+    limit = 2 * 8 * 2**20 * 8 // 2 + 12 * 2**20  # static memory of half the layers + a few activations
+    result = tune(costs, cluster, 4, memory_limit_bytes=limit, effort=0.02)
+    assert max(simulate(result.best.plan, costs, cluster).peak_memory_bytes) <= limit * (1 + 1e-9)
+
+
+def test_tune_without_any_fitting_plan_raises():
+    costs, cluster, limit, plans = tune_case()
+    with pytest.raises(PlanError, match="no plan"):
+        tune(costs, cluster, 6, activation_budget=[1.0] * 3, effort=0.01)
+
+
+def test_tune_cut_short_by_the_clock_still_returns_a_valid_plan():
+    costs, cluster, limit, plans = tune_case(seed=11, layers=12)
+    result = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, time_limit_s=1e-6)
+    assert result.cut_short
+    result.best.plan.validate(len(costs))
+    assert max(simulate(result.best.plan, costs, cluster).peak_activation_bytes) <= limit * (1 + 1e-9)
+
+
+def test_policy_defaults_split_backward():
+    assert Policy().split_backward and any(not p.split_backward for p in POLICIES)
