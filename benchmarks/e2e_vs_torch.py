@@ -33,9 +33,7 @@ from torch import nn
 
 import octopipe
 from octopipe import models
-from octopipe.bench import calibrate_cpu_cluster
-from octopipe.passes.codegen import microbatch
-from octopipe.passes.profile import profile_costs
+from octopipe.bench import calibrate_cpu_cluster, profile_in_runtime
 from octopipe.runtime import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -181,9 +179,8 @@ def main() -> None:
     lines = []
     for name in args.models.split(","):
         model, inputs, target = _data(name)
-        graph = octopipe.trace(model, inputs, loss_fn=models.lm_loss, example_target=target)
-        costs = profile_costs(graph, microbatch(inputs, NUM_MICROBATCHES),
-                              example_target=microbatch((target,), NUM_MICROBATCHES)[0])
+        costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
+                                   op_overhead_ms=cluster.op_overhead_ms)
         result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                 num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)

@@ -22,10 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import octopipe  # noqa: E402
 from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
+
+import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
-from octopipe.bench import calibrate_cpu_cluster, calibrated_profile, measure_many  # noqa: E402
+from octopipe.bench import calibrate_cpu_cluster, measure_many, profile_in_runtime  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
 
@@ -44,7 +45,8 @@ def main() -> None:
     errors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
-        costs, scale = calibrated_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
+        costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
+                                   op_overhead_ms=cluster.op_overhead_ms)
         plans = {}
         for schedule in SCHEDULES:
             plans[f"{schedule}/balanced"] = octopipe.schedules.build(schedule, costs, cluster, NUM_MICROBATCHES,
@@ -59,7 +61,6 @@ def main() -> None:
             error = timing.median_ms / predicted - 1
             errors.append(abs(error))
             print(f"{name:<11} {label:<22} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+8.1%}")
-        print(f"{'':<11} (profile scale {scale:.3f})")
     print(f"\nmean |error| {statistics.mean(errors):.1%}, max |error| {max(errors):.1%} over {len(errors)} runs "
           f"(target: mean <= 5%, max <= 10%)")
 

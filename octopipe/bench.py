@@ -101,10 +101,35 @@ def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: 
     return out
 
 
+def _posting_worker(rank: int, world_size: int, size: int, count: int, repeats: int) -> float:
+    import torch.distributed as dist
+
+    buffers = [torch.zeros(size // 4, dtype=torch.float32) for _ in range(count)]
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.isend(b, 1, tag=k) if rank == 0 else dist.irecv(b, 0, tag=k) for k, b in enumerate(buffers)]
+        samples.append((time.perf_counter() - start) * 1e3 / count)
+        for work in works:
+            work.wait()
+    return statistics.median(samples)
+
+
+def measure_message_overhead_ms(size: int = 256 * 2**10, count: int = 16, repeats: int = 7) -> float:
+    """Host milliseconds a rank spends posting one send or receive of `size` bytes (the mean
+    of the sender's and the receiver's cost per posted message)."""
+    from octopipe.runtime import launch
+
+    send, recv = launch(_posting_worker, 2, args=(size, count, repeats))
+    return (send + recv) / 2
+
+
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     """The local gloo 'cluster' with latency and bandwidth measured by a ping-pong between two
-    processes (one small and one 4 MB message), and the runtime's per-op overhead measured by
-    running a model of tiny layers as 1 stage and as one stage per layer on one process."""
+    processes (one small and one 4 MB message), the host time of posting a message, and the
+    runtime's per-op overhead measured by running a model of tiny layers as 1 stage and as one
+    stage per layer on one process."""
     from octopipe.runtime import launch
 
     small, large = 4, 4 * 2**20
@@ -114,6 +139,7 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
                    inter_node_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
+                   message_overhead_ms=measure_message_overhead_ms(),
                    name=f"cpux{num_devices}-measured")
 
 
@@ -193,4 +219,103 @@ def scale_costs(costs: Any, scale: float) -> Any:
         replace(layer, forward_ms=layer.forward_ms * scale, backward_ms=layer.backward_ms * scale,
                 backward_weight_ms=None if layer.backward_weight_ms is None else layer.backward_weight_ms * scale)
         for layer in costs.layers
+    )
+
+
+def _profile_worker(rank: int, world_size: int, graph: Any, inputs: tuple, target: Any, repeats: int, warmup: int) -> Any:
+    from octopipe.passes.profile import profile_costs
+
+    return profile_costs(graph, inputs, example_target=target, repeats=repeats, warmup=warmup)
+
+
+def profile_under_load(graph: Any, micro_inputs: Sequence[Any], micro_target: Any = None, *, num_procs: int = 2,
+                       repeats: int = 7, warmup: int = 2, timeout_s: float = 600.0) -> Any:
+    """Per-layer costs measured the way the pipeline will run: `num_procs` processes (one thread
+    each) profile every layer at the same time, so each layer is timed while the other ranks
+    compete for the shared caches and memory bandwidth, as they do in a real step; the result is
+    the mean over the processes (bytes from the first). One process alone runs faster than each
+    of two running together, so a profile taken alone predicts steps too short."""
+    from octopipe.runtime import launch
+
+    tables = launch(_profile_worker, num_procs, args=(graph, tuple(micro_inputs), micro_target, repeats, warmup),
+                    timeout_s=timeout_s)
+    first = tables[0]
+
+    def mean(values: list[float | None]) -> float | None:
+        return None if any(v is None for v in values) else sum(values) / len(values)  # type: ignore[arg-type]
+
+    return first.replace_layers(
+        replace(layer, forward_ms=mean([t.layers[i].forward_ms for t in tables]),
+                backward_ms=mean([t.layers[i].backward_ms for t in tables]),
+                backward_weight_ms=mean([t.layers[i].backward_weight_ms for t in tables]))
+        for i, layer in enumerate(first.layers)
+    )
+
+
+def _runtime_profile_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int,
+                            warmup: int) -> dict[tuple[str, int], list[float]]:
+    import re
+
+    engine = pipe.engine(0)  # every process runs the whole one-rank program: the others are the load
+    durations: dict[tuple[str, int], list[float]] = {}
+    pattern = re.compile(r"(forward|backward_input|backward_weight|backward) stage=(\d+) ")
+    for step in range(warmup + steps):
+        engine.timeline = [] if step >= warmup else None
+        engine.step(inputs, target)
+        for _, _, parameter in ((None, None, p) for _, p in engine.named_parameters()):
+            parameter.grad = None
+        for _, text, start, end in engine.timeline or ():
+            match = pattern.match(text)
+            if match:
+                durations.setdefault((match.group(1), int(match.group(2))), []).append((end - start) * 1e3)
+    return durations
+
+
+def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
+                       num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
+                       timeout_s: float = 600.0) -> Any:
+    """Per-layer F, B and W times measured by the runtime itself, under the load of a real run.
+
+    The model is compiled as one stage per layer on one rank (microbatch after microbatch: F of
+    every layer, then B and W of every layer in reverse), and `num_procs` processes run that
+    program at the same time, each its own copy, so every op is timed on the code path a pipeline
+    step takes (stage modules, split linears, activations kept across microbatches, the host
+    memory policy) while the other processes load the shared caches and memory bandwidth as the
+    other ranks do. Each layer's time is the median over microbatches and steps, averaged over the
+    processes, minus `op_overhead_ms` (the simulator adds that per op). Bytes come from
+    `profile_costs`. This is the CPU profile the demo and the fidelity benchmark use: the
+    layer-in-a-loop profile of `profile_costs` runs 1.3-1.5x faster than the same layers inside
+    a step on this machine."""
+    import octopipe
+    from octopipe.ir.plan import B, F, PipelinePlan, W
+    from octopipe.passes.codegen import microbatch
+    from octopipe.passes.profile import profile_costs
+    from octopipe.runtime import launch
+
+    graph = octopipe.trace(model, tuple(inputs), loss_fn=loss_fn, example_target=target)
+    micro = microbatch(tuple(inputs), num_microbatches)
+    micro_target = microbatch((target,), num_microbatches)[0]
+    sizes = profile_costs(graph, micro, example_target=micro_target, repeats=1, warmup=1)
+    layers = len(sizes)
+    ops = []
+    for mb in range(num_microbatches):
+        ops += [F(s, mb) for s in range(layers)]
+        for s in reversed(range(layers)):
+            ops += [B(s, mb), W(s, mb)]
+    plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), [0] * layers, [ops], num_devices=1)
+    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=tuple(inputs),
+                            example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
+                            costs=sizes, quiet=True)
+    runs = launch(_runtime_profile_worker, num_procs, args=(pipe, tuple(inputs), target, steps, warmup),
+                  timeout_s=timeout_s)
+
+    def time_of(kind: str, stage: int) -> float:
+        values = [statistics.median(run[(kind, stage)]) for run in runs if (kind, stage) in run]
+        return max(0.0, sum(values) / len(values) - op_overhead_ms) if values else 0.0
+
+    return sizes.replace_layers(
+        replace(layer, forward_ms=time_of("forward", i),
+                backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
+                backward_weight_ms=time_of("backward_weight", i))
+        for i, layer in enumerate(sizes.layers)
     )

@@ -38,6 +38,11 @@ class ClusterSpec:
     """Host time the runtime adds to every compute op (F, B, W) beyond the layers' own time:
     Python dispatch and autograd bookkeeping. Negligible on GPUs (hidden behind queued kernels);
     measurable on CPU, where `octopipe.bench.calibrate_cpu_cluster` measures it."""
+    message_overhead_ms: float = 0.0
+    """Host time the runtime spends on a device to post one send or one receive to another
+    device (the transfer itself then runs beside compute). Zero on GPUs (the copy engine does
+    the work); on CPU, gloo's posting takes a fraction of a millisecond of the rank's own thread,
+    which `octopipe.bench.calibrate_cpu_cluster` measures."""
     backend: str = "nccl"
     name: str = "custom"
 
@@ -55,6 +60,8 @@ class ClusterSpec:
             raise ClusterSpecError(f"{where}: latency_s must be in [0, 1) seconds, got {self.latency_s!r}")
         if not _is_number(self.op_overhead_ms) or not 0 <= self.op_overhead_ms < 1e3:
             raise ClusterSpecError(f"{where}: op_overhead_ms must be in [0, 1000), got {self.op_overhead_ms!r}")
+        if not _is_number(self.message_overhead_ms) or not 0 <= self.message_overhead_ms < 1e3:
+            raise ClusterSpecError(f"{where}: message_overhead_ms must be in [0, 1000), got {self.message_overhead_ms!r}")
         if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
             raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
         if self.backend not in ("nccl", "gloo"):

@@ -2,7 +2,7 @@
 
 Takes a built-in heterogeneous model (DeepSeek-style: dense layers, then MoE layers whose
 experts make them several times heavier, and a large-vocabulary head), profiles its layers on
-this CPU, plans it for a local "cluster" of 2 gloo processes (link measured by a ping-pong),
+this CPU inside the runtime with both processes busy (`octopipe.bench.profile_in_runtime`), plans it for a local "cluster" of 2 gloo processes (link measured by a ping-pong),
 prints the report (OctoPipe vs every baseline, predicted), then trains a few steps with the
 OctoPipe plan and with the best baseline — steps interleaved so machine noise hits both alike —
 and prints measured step times beside the predictions, the measured speedup, and where the
@@ -31,9 +31,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s
              say=print) -> dict:
     import octopipe
     from octopipe import models, schedules
-    from octopipe.bench import calibrate_cpu_cluster, measure_many
-    from octopipe.passes.codegen import microbatch
-    from octopipe.passes.profile import profile_costs
+    from octopipe.bench import calibrate_cpu_cluster, measure_many, profile_in_runtime
     from octopipe.viz import draw_comparison
 
     started = time.perf_counter()
@@ -53,11 +51,9 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s
 
     cluster = calibrate_cpu_cluster(NUM_DEVICES)
     say(f"link: {cluster.latency_s * 1e6:.0f} us latency, {cluster.intra_node_bandwidth / 1e9:.2f} GB/s (measured)")
-    graph = octopipe.trace(model, inputs, loss_fn=models.lm_loss, example_target=target)
-    micro_inputs = microbatch(inputs, NUM_MICROBATCHES)
-    micro_target = microbatch((target,), NUM_MICROBATCHES)[0]
-    costs = profile_costs(graph, micro_inputs, example_target=micro_target, repeats=5, warmup=2)
-    say(f"profiled {len(costs)} layers: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
+    costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES,
+                               op_overhead_ms=cluster.op_overhead_ms)
+    say(f"profiled {len(costs)} layers in the runtime under load: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")
 
     result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=time_limit_s, quiet=True)

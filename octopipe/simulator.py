@@ -8,7 +8,9 @@ devices takes latency + bytes / bandwidth, a directed link (device pair) carries
 time in the order the sender produced them, and transfers overlap compute unless
 `blocking_sends=True` (then the sender waits for its send). Hand-offs on one device are free.
 
-Every compute op also pays the cluster's `op_overhead_ms` (host-side runtime cost per op).
+Every compute op also pays the cluster's `op_overhead_ms` (host-side runtime cost per op), plus
+`message_overhead_ms` for each message it receives from or sends to another device (the host
+time of posting it; the transfer itself overlaps compute).
 
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
@@ -290,6 +292,7 @@ def _run(
     keep_fraction = memory.weight_memory_fraction
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
+    message = cluster.message_overhead_ms
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
     bandwidth_cache: dict[tuple[int, int], float] = {}
@@ -355,6 +358,13 @@ def _run(
                 starts[key] = begin  # type: ignore[index]
             elif arrival > begin:
                 begin = arrival
+            if message:
+                if kind is OpKind.F:
+                    duration += message * ((stage > 0 and stage_device[stage - 1] != device)
+                                           + (stage < num_stages - 1 and stage_device[stage + 1] != device))
+                elif kind is OpKind.B:
+                    duration += message * ((stage < num_stages - 1 and stage_device[stage + 1] != device)
+                                           + (stage > 0 and stage_device[stage - 1] != device))
             finish = begin + duration + overhead
             done[key] = finish
             device_time[device] = finish

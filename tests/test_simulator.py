@@ -5,6 +5,7 @@ import json
 import pytest
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
+from octopipe.errors import ClusterSpecError
 from octopipe.ir.plan import B, F, OpKind, W
 from octopipe.simulator import MemoryModel, iteration_time, simulate
 
@@ -170,3 +171,20 @@ def test_every_compute_op_pays_the_runtime_overhead():
     result = simulate(plan_of(TWO_STAGE), table(2), cluster)
     assert result.iteration_ms == pytest.approx(9 + 0.5 * 6)  # six ops on the critical path
     assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(1.5)
+
+
+def test_cross_device_messages_pay_their_posting_overhead():
+    cluster = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, latency_s=0.0, message_overhead_ms=0.25)
+    result = simulate(plan_of(TWO_STAGE), table(2), cluster)
+    # 0F0 sends (1.25); 1F0 receives (2.5); 1B0 sends (4.75); 0B0 receives (7.0); 1F1 4.75-6.0 receives;
+    # 1B1 6.0-8.25 sends; 0B1 waits for it and receives: 8.25 + 2.25
+    assert result.iteration_ms == pytest.approx(10.5)
+    assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(1.25)
+    one_device = PipelinePlan.parse(TWO_STAGE.replace("device=1", "device=0").replace("device 1: 1F0 1B0 1F1 1B1\n", "")
+                                    .replace("0F0 0F1 0B0 0B1", "0F0 1F0 1B0 0B0 0F1 1F1 1B1 0B1").replace("devices=2", "devices=1"))
+    assert simulate(one_device, table(2), cluster).iteration_ms == pytest.approx(12.0)  # hand-offs on one device are free
+
+
+def test_message_overhead_is_validated():
+    with pytest.raises(ClusterSpecError, match="message_overhead_ms"):
+        ClusterSpec(num_devices=2, message_overhead_ms=-1.0)

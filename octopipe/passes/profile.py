@@ -10,11 +10,12 @@ tensors it reads from other layers and model inputs, outputs for the tensors lat
 and run alone on the captured inputs, so layers are timed separately:
 - F: the layer's forward with autograd recording (as in training);
 - B+W: `torch.autograd.grad(outputs, layer inputs + parameters)`, the full backward;
-- B alone: `torch.autograd.grad(outputs, layer inputs)` (autograd skips the weight-gradient
-  matmuls nobody asked for), and W alone: `torch.autograd.grad(outputs, parameters)`. Each alone
-  also walks the backward they share (the gradients flowing through the layer), so their sum
-  overshoots B+W; W is the full backward's share in proportion, W = (B+W) * W_alone / (B_alone +
-  W_alone), which stays positive and below B+W however noisy the timer (a difference would not).
+- B and W as the runtime splits them: the layer rewritten by `passes/split_backward.py` runs its
+  backward with weight gradients deferred (B: input gradients, and the gradients of parameters
+  the rewrite does not split), then the deferred weight-gradient matmuls (W). W is the full
+  backward's share in proportion, W = (B+W) * W_split / (B_split + W_split), which stays positive
+  and below B+W however noisy the timer; a layer with nothing to defer (no linear weights) has
+  W = 0, as its W op in the runtime does nothing.
 Backward passes reuse one recorded forward (`retain_graph=True`) with random output gradients.
 Each measurement is warmed up, then the median of `repeats` runs. Timers: `time.perf_counter` on
 CPU; on CUDA `triton.testing.do_bench` when triton imports (median), else CUDA events, with a
@@ -286,14 +287,13 @@ def _measure(
                 return lambda: torch.autograd.grad(out_tensors, wrt, grads, retain_graph=True, allow_unused=True)
 
             backward_ms = timer(grad_of(act_inputs + params))
-            input_only_ms = timer(grad_of(act_inputs)) if act_inputs else 0.0
-            weight_only_ms = timer(grad_of(params)) if params else 0.0
+            input_only_ms, weight_only_ms = _split_times(sub, inputs, act_inputs, grads, timer)
     except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
         raise ExecutionError(
             f"profile_costs: layer {layer.index} ({layer.name!r}) failed: {type(exc).__name__}: {exc}"
         ) from None
-    # B alone and W alone each re-walk the part of the backward they share; split the measured
-    # full backward between them in proportion.
+    # the split backward does the same work plus a little bookkeeping: share the measured full
+    # backward between B and W in the split's proportion.
     both = input_only_ms + weight_only_ms
     weight_ms = min(backward_ms, backward_ms * weight_only_ms / both) if both > 0 else 0.0
     return LayerCost(
@@ -306,3 +306,50 @@ def _measure(
         output_bytes=int(output_bytes),
         param_bytes=int(param_bytes),
     )
+
+
+def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Tensor], grads: list[torch.Tensor],
+                 timer: _Timer) -> tuple[float, float]:
+    """Median ms of B and of W when the layer's backward is split the runtime's way; (0, 0)
+    when the rewrite finds no weight to defer."""
+    from octopipe.passes.split_backward import split_backward
+    from octopipe.runtime.stage import WeightGradStash, deferred_weight_grads
+
+    split, deferred = split_backward(sub.module)
+    if not deferred:
+        return 0.0, 0.0
+    deferred_params = [split.get_parameter(name) for name in deferred]
+    deferred_ids = {id(p) for p in deferred_params}
+    kept = [p for p in split.parameters() if p.requires_grad and id(p) not in deferred_ids]
+    saved_grads = {id(p): p.grad for p in deferred_params}
+    outputs = [t for t in _flat_tensors(split(*inputs)) if t.requires_grad]
+    wrt = act_inputs + kept
+    cuda = timer.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(timer.device)
+
+    b_times, w_times = [], []
+    try:
+        for run in range(timer.warmup + timer.repeats):
+            stash = WeightGradStash()
+            sync()
+            start = time.perf_counter()
+            with deferred_weight_grads(stash):
+                if wrt:
+                    torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+                else:
+                    torch.autograd.backward(outputs, grads, retain_graph=True)
+            sync()
+            middle = time.perf_counter()
+            stash.run()
+            sync()
+            end = time.perf_counter()
+            if run >= timer.warmup:
+                b_times.append((middle - start) * 1e3)
+                w_times.append((end - middle) * 1e3)
+    finally:
+        for param in deferred_params:  # W accumulated into the model's own .grad: put it back
+            param.grad = saved_grads[id(param)]
+    return statistics.median(b_times), statistics.median(w_times)

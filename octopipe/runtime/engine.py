@@ -35,6 +35,7 @@ on every rank; `load_into_model` / `load_optimizer_state` put a merged state int
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 from octopipe.errors import ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
+from octopipe.runtime.host_memory import keep_freed_host_memory
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
 
 
@@ -90,12 +92,17 @@ class Engine:
                                      f"stages {sorted(self.stages)}")
         first = next((p for s in stages for p in s.module.parameters()), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
         self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
         self.optimizer: torch.optim.Optimizer | None = None
+        self.timeline: list[tuple[int, str, float, float]] | None = None
+        """Set to a list to record (position, instruction text, start s, end s) of every
+        instruction of each step (perf_counter seconds): the measured timeline, for diagnosis."""
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._handlers = {
@@ -226,10 +233,17 @@ class Engine:
                 self._tied_earlier[name] = param.grad
                 param.grad = None
         handlers = self._handlers
+        timeline = self.timeline
+        clock = time.perf_counter
         for position, instruction in enumerate(self.program.instructions):
             self._position = position
             try:
-                handlers[instruction.kind](instruction)
+                if timeline is None:
+                    handlers[instruction.kind](instruction)
+                else:
+                    start = clock()
+                    handlers[instruction.kind](instruction)
+                    timeline.append((position, str(instruction), start, clock()))
             except ExecutionError:
                 raise
             except Exception as exc:
@@ -386,7 +400,11 @@ class Engine:
         slot.output_grads = []
 
     def _backward(self, i: Instruction) -> None:
-        self._run_backward(i, defer=False)
+        # a full backward is B then W at once: measured on CPU, deferring the split linears'
+        # weight gradients to the end of the backward runs faster than computing them inline
+        # (and makes a full backward cost exactly B + W, as the simulator assumes)
+        self._run_backward(i, defer=True)
+        self._backward_weight(i)
 
     def _backward_input(self, i: Instruction) -> None:
         self._run_backward(i, defer=True)

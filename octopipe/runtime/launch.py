@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from octopipe.errors import ExecutionError
+from octopipe.runtime.host_memory import keep_freed_host_memory
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -65,6 +66,7 @@ def _child(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, wo
             torch.cuda.set_device(rank)
         else:
             torch.set_num_threads(1)
+            keep_freed_host_memory()
         store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=rank == 0, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout_s))

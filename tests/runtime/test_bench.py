@@ -1,0 +1,47 @@
+"""octopipe.bench: the measured-run helpers the demo and the benchmarks rely on."""
+
+import pytest
+import torch
+
+from octopipe import models
+from octopipe.bench import measure_message_overhead_ms, profile_in_runtime
+from octopipe.runtime.host_memory import keep_freed_host_memory
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_profile_in_runtime_times_every_layer_the_runtime_way():
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    costs = profile_in_runtime(model, inputs, target, models.lm_loss, 2, num_procs=2, steps=2, warmup=1)
+    graph_layers = len(list(costs))
+    assert graph_layers >= 4
+    for layer in costs:
+        assert layer.forward_ms > 0, layer
+        assert 0 <= layer.backward_weight_ms <= layer.backward_ms, layer
+    blocks = [layer for layer in costs if layer.name.startswith("layers.")]
+    # transformer blocks are linear layers: W (their weight matmuls) is real work; the loss has no
+    # weights, its W op is an empty call
+    assert all(layer.backward_weight_ms > 0.1 * layer.backward_ms for layer in blocks)
+    loss = costs.layers[-1]
+    assert loss.backward_weight_ms < 0.1 * max(layer.backward_weight_ms for layer in blocks)
+    assert all(layer.activation_bytes > 0 for layer in blocks)  # bytes come from profile_costs
+
+
+def test_message_overhead_is_a_small_positive_host_cost():
+    value = measure_message_overhead_ms(count=4, repeats=3)
+    assert 0 < value < 50
+
+
+def test_host_memory_policy_applies_once_and_can_be_turned_off(monkeypatch):
+    import octopipe.runtime.host_memory as host_memory
+
+    monkeypatch.setattr(host_memory, "_applied", None)
+    monkeypatch.setenv("OCTOPIPE_KEEP_HOST_MEMORY", "0")
+    assert keep_freed_host_memory() is False
+    monkeypatch.setattr(host_memory, "_applied", None)
+    monkeypatch.delenv("OCTOPIPE_KEEP_HOST_MEMORY")
+    first = keep_freed_host_memory()
+    assert keep_freed_host_memory() is first  # idempotent: the second call reports the first's result
