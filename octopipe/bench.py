@@ -101,28 +101,47 @@ def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: 
     return out
 
 
-def _posting_worker(rank: int, world_size: int, size: int, count: int, repeats: int) -> float:
-    import torch.distributed as dist
-
-    buffers = [torch.zeros(size // 4, dtype=torch.float32) for _ in range(count)]
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        works = [dist.isend(b, 1, tag=k) if rank == 0 else dist.irecv(b, 0, tag=k) for k, b in enumerate(buffers)]
-        samples.append((time.perf_counter() - start) * 1e3 / count)
-        for work in works:
-            work.wait()
-    return statistics.median(samples)
+def _posting_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int) -> list[float]:
+    engine = pipe.engine(rank)
+    posts: list[float] = []
+    for step in range(1 + steps):
+        engine.timeline = [] if step else None
+        engine.step(inputs, target)
+        for _, parameter in engine.named_parameters():
+            parameter.grad = None
+        posts += [(end - start) * 1e3 for _, text, start, end in engine.timeline or ()
+                  if text.startswith(("send_", "recv_"))]
+    return posts
 
 
-def measure_message_overhead_ms(size: int = 256 * 2**10, count: int = 16, repeats: int = 7) -> float:
-    """Host milliseconds a rank spends posting one send or receive of `size` bytes (the mean
-    of the sender's and the receiver's cost per posted message)."""
+def measure_message_overhead_ms(size: int = 256 * 2**10, num_layers: int = 8, num_microbatches: int = 8,
+                                steps: int = 3) -> float:
+    """Host milliseconds a rank's thread spends on one send or receive instruction of about
+    `size` bytes inside a real step: a model of `num_layers` linear layers as one stage per layer,
+    stages alternating between 2 processes, run by the runtime with its timeline on; the mean
+    over every send and receive of both ranks. (Posting alone, in a loop, costs several times
+    less: in a step, gloo copies a message that already arrived, or writes one out, on the
+    posting thread.)"""
+    import octopipe
+    from octopipe.ir.plan import B, F, PipelinePlan, W
     from octopipe.runtime import launch
 
-    send, recv = launch(_posting_worker, 2, args=(size, count, repeats))
-    return (send + recv) / 2
+    width = 256
+    rows = max(1, size // (width * 4))
+    torch.manual_seed(0)
+    model = _TinyLayers(num_layers, width)
+    x = torch.randn(num_microbatches * rows, width)
+    y = torch.randn(num_microbatches * rows, width)
+    stages = num_layers + 1  # the blocks and the loss
+    placement = [s % 2 for s in range(stages)]
+    order = [F(s, m) for m in range(num_microbatches) for s in range(stages)]
+    order += [op for m in range(num_microbatches) for s in reversed(range(stages)) for op in (B(s, m), W(s, m))]
+    device_ops = [[op for op in order if placement[op.stage] == d] for d in range(2)]
+    plan = PipelinePlan.build(num_microbatches, list(range(stages + 1)), placement, device_ops, num_devices=2)
+    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=2), example_inputs=(x,), example_target=y,
+                            loss_fn=_mse, num_microbatches=num_microbatches, plan=plan, costs=_zero_costs(stages))
+    posts = [value for rank_posts in launch(_posting_worker, 2, args=(pipe, (x,), y, steps)) for value in rank_posts]
+    return statistics.fmean(posts)
 
 
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
