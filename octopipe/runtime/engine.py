@@ -46,7 +46,6 @@ from torch import Tensor, nn
 from octopipe.errors import ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
-from octopipe.runtime.host_memory import keep_freed_host_memory
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
 
 
@@ -92,8 +91,6 @@ class Engine:
                                      f"stages {sorted(self.stages)}")
         first = next((p for s in stages for p in s.module.parameters()), None)
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
-        if self.device.type == "cpu":
-            keep_freed_host_memory()
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()

@@ -1,7 +1,9 @@
 """Host-memory policy for CPU ranks: keep freed memory in the process instead of giving it back.
 
-Consumed by `runtime/launch.py` (every local gloo child) and `runtime/engine.py` (an Engine on a
-CPU device, e.g. under torchrun). A pipeline step allocates and frees activations of the same sizes
+Consumed by `runtime/launch.py`: every local gloo child, and `init_from_env` (torchrun) on CPU,
+both at process start. Not applied later in a process that already runs threads and forks
+(an Engine built inside pytest, say): changing malloc's thresholds there, then forking, made
+the children crash at exit. A pipeline step allocates and frees activations of the same sizes
 over and over. glibc's malloc serves large blocks with fresh `mmap`s and returns freed memory to
 the kernel, so every step touches new pages and pays a page fault per 4 KiB: on this project's CPU
 runs that made compute ops 1.3-1.5x slower than the same layers profiled in a loop, and made

@@ -1,0 +1,23 @@
+"""`octopipe demo` end to end on the quick config: plan, train every compared plan, pictures."""
+
+import re
+
+import pytest
+
+from octopipe.demo import run_demo
+
+
+@pytest.mark.timeout(280)
+def test_quick_demo_trains_every_plan_to_the_same_losses_and_writes_pictures(tmp_path):
+    lines: list[str] = []
+    result = run_demo(tmp_path / "demo", steps=1, time_limit_s=3.0, quick=True, say=lines.append)
+    text = "\n".join(lines)
+    rows = [line for line in lines if re.match(r"^(octopipe|\S+/\S+).*\d+\.\d+\s+\d+\.\d+\s+[+-]\d", line)]
+    names = [row.split()[0] for row in rows]
+    assert names[0] == "octopipe" and "1f1b/uniform" in names, text
+    losses = {tuple(row.split()[-1:]) for row in rows}
+    assert len(losses) == 1, f"plans trained to different losses:\n{text}"  # pipelining changes no arithmetic
+    assert result["ours_ms"] > 0 and result["baseline_ms"] > 0
+    assert "speedup over" in text and "balance bound" in text
+    assert (tmp_path / "demo" / "timelines.png").stat().st_size > 0
+    assert (tmp_path / "demo" / "report.txt").read_text().startswith("OctoPipe plan")
