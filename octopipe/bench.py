@@ -34,8 +34,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 
     torch.manual_seed(0)
     engines = [pipe.engine(rank) for pipe in pipes]
-    optimizers = [torch.optim.SGD([p for _, p in e.named_parameters()], lr=learning_rate) if learning_rate else None
-                  for e in engines]
+    # a rank the plan leaves without stages holds no parameters: it has nothing to optimize
+    optimizers = [torch.optim.SGD(params, lr=learning_rate) if learning_rate and params else None
+                  for params in ([p for _, p in e.named_parameters()] for e in engines)]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     for step in range(warmup + steps):

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from octopipe.errors import ExecutionError, InfeasibleError, OctopipeError, PlanError, VerificationError
 
     try:
+        _resolve_defaults(args)
         return args.run(args) or EXIT_OK
     except InfeasibleError as exc:
         return _fail(exc, EXIT_INFEASIBLE)
@@ -39,6 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("octopipe: interrupted", file=sys.stderr)
         return 130
+
+
+def _resolve_defaults(args: argparse.Namespace) -> None:
+    """Defaults that depend on other arguments: the microbatch count of a given plan, and a batch
+    size that divides into the microbatches."""
+    if hasattr(args, "microbatches") and args.microbatches is None:
+        plan_file = getattr(args, "plan", None)
+        if plan_file and Path(plan_file).exists():  # (a missing one is reported where it is used)
+            from octopipe.api import load_plan
+
+            args.microbatches = load_plan(plan_file).num_microbatches
+        else:
+            args.microbatches = 4
+    if getattr(args, "batch_size", "unset") is None:
+        m = max(1, getattr(args, "microbatches", 1) or 1)
+        args.batch_size = m * max(1, -(-8 // m))
 
 
 def _fail(exc: Exception, code: int) -> int:
@@ -146,7 +163,8 @@ def _add_costs_options(p: argparse.ArgumentParser) -> None:
                    help="a built-in model (llama, gemma, deepseek, nemotron-h, multimodal) or a factory")
     p.add_argument("--size", default="tiny", choices=("tiny", "paper"), help="built-in model size (paper: on the meta device)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a built-in model's config field")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch size of the example batch")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch size of the example batch (default: 8 rounded up to a multiple of the microbatches)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the config's)")
     p.add_argument("--profile", action="store_true", help="measure costs on this machine instead of analytic ones")
 
@@ -289,12 +307,14 @@ def _train_distributed(args: argparse.Namespace) -> int:
     engine = pipe.engine(rank, device=device)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
-    optimizer = torch.optim.SGD([p for _, p in engine.named_parameters()], lr=args.lr)
+    params = [p for _, p in engine.named_parameters()]
+    optimizer = torch.optim.SGD(params, lr=args.lr) if params else None  # a rank without stages has none
     for step in range(args.steps):
         start = time.perf_counter()
         loss = engine.step(inputs, target)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}: loss {loss:.5f}  {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
     dist.destroy_process_group()
@@ -376,10 +396,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="NAME|module:factory")
     p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
     p.add_argument("--set", action="append", metavar="FIELD=VALUE")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--nprocs", type=int, default=2, help="local processes (devices); with --torchrun, GPUs in all")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=None, help="default: the plan's (with --plan), else 4")
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=int, default=5)
@@ -395,9 +415,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="NAME|module:factory")
     p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
     p.add_argument("--set", action="append", metavar="FIELD=VALUE")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=None, help="default: the plan's (with --plan), else 4")
     p.add_argument("--plan", metavar="FILE")
     p.add_argument("--schedule", metavar="NAME", help="baseline to lower (default 1f1b)")
     p.add_argument("--cluster", default=None)

@@ -72,6 +72,12 @@ class Transport:
 
     # -- point to point -------------------------------------------------------------------------
     def isend(self, tensors: list[torch.Tensor], peer: int, tags: list[int], what: str | Callable[[], str]) -> Pending:
+        try:
+            return self._isend(tensors, peer, tags, what)
+        except RuntimeError as exc:  # the peer's connection is already gone when posting
+            raise self.error(what if isinstance(what, str) else what(), peer, exc) from exc
+
+    def _isend(self, tensors: list[torch.Tensor], peer: int, tags: list[int], what: str | Callable[[], str]) -> Pending:
         works = []
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -88,6 +94,13 @@ class Transport:
               what: str | Callable[[], str]) -> Pending:
         """Post receives into fresh buffers of the given (shape, dtype); on CUDA they are
         allocated on the communication stream, so no pending compute kernel still uses the memory."""
+        try:
+            return self._irecv(specs, peer, tags, what)
+        except RuntimeError as exc:
+            raise self.error(what if isinstance(what, str) else what(), peer, exc) from exc
+
+    def _irecv(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], peer: int, tags: list[int],
+               what: str | Callable[[], str]) -> Pending:
         works = []
         if self.stream is not None:
             with torch.cuda.stream(self.stream):

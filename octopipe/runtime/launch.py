@@ -173,7 +173,10 @@ def launch(
                 os.remove(path)
         os.rmdir(stack_dir)
     if failures:
-        first = min(failures)
+        # report the root cause: a rank that failed on its own, not one that lost its peer
+        echoes = ("Connection closed by peer", "Connection reset by peer", "Timed out", "went away", "did not answer")
+        causes = [rank for rank in sorted(failures) if not any(echo in failures[rank] for echo in echoes)]
+        first = causes[0] if causes else min(failures)
         others = sorted(set(failures) - {first})
         also = f" (ranks {others} failed too)" if others else ""
         raise ExecutionError(f"worker rank {first} of {nprocs} failed{also}:\n{failures[first]}")

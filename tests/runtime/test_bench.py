@@ -45,3 +45,37 @@ def test_host_memory_policy_applies_once_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv("OCTOPIPE_KEEP_HOST_MEMORY")
     first = keep_freed_host_memory()
     assert keep_freed_host_memory() is first  # idempotent: the second call reports the first's result
+
+
+def test_a_rank_without_stages_trains_alongside_the_others():
+    import octopipe
+    from octopipe.bench import measure_steps
+    from octopipe.ir.plan import B, F, PipelinePlan
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    ops0 = [F(0, 0), F(0, 1), B(0, 0), B(0, 1)]
+    ops1 = [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]
+    plan = PipelinePlan.build(2, [0, 4, 8], [0, 1], [ops0, ops1, []], num_devices=3)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpux3"), example_inputs=inputs, example_target=target,
+                            loss_fn=models.lm_loss, num_microbatches=2, plan=plan, quiet=True)
+    timing = measure_steps(pipe, inputs, target, steps=2, warmup=0, learning_rate=0.1)
+    assert timing.losses[1] < timing.losses[0]  # the optimizer stepped on the ranks that hold parameters
+
+
+def _one_rank_fails(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("the real cause")
+    dist.barrier()  # rank 0 then loses its peer
+
+
+def test_launch_reports_the_rank_that_failed_first_not_its_echo():
+    from octopipe.errors import ExecutionError
+    from octopipe.runtime import launch
+
+    with pytest.raises(ExecutionError, match=r"worker rank 1 of 2 failed[\s\S]*ValueError: the real cause"):
+        launch(_one_rank_fails, 2, timeout_s=60)
