@@ -336,6 +336,16 @@ def _pack(items: Sequence[int], p: int, capacity: int, budget: list[int]) -> lis
     return _pack_loads(items, p, capacity, budget)
 
 
+def _running_sums(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Prefix sums of `sizes` (non-increasing), and sums of its k smallest items for k = 0..n."""
+    prefix, smallest = [0], [0]
+    for x in sizes:
+        prefix.append(prefix[-1] + x)
+    for x in reversed(sizes):
+        smallest.append(smallest[-1] + x)
+    return prefix, smallest
+
+
 def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int]) -> list[int] | None:
     """Branch and bound: items largest first onto devices (one branch per distinct load),
     pruned by the room and the item count the remaining items need; failed (depth, sorted
@@ -343,12 +353,7 @@ def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int]) 
     order = sorted(range(len(items)), key=lambda i: (-items[i], i))
     sizes = [items[i] for i in order]
     n = len(sizes)
-    prefix = [0]
-    for x in sizes:
-        prefix.append(prefix[-1] + x)
-    smallest = [0]
-    for x in reversed(sizes):
-        smallest.append(smallest[-1] + x)
+    prefix, smallest = _running_sums(sizes)
     failed: set[tuple[int, tuple[int, ...]]] = set()
     placed = [0] * n
 
@@ -1337,12 +1342,7 @@ def _pack_capacities(items: Sequence[int], capacities: Sequence[int], budget: li
     n = len(items)
     if any(c < 0 for c in capacities) or sum(items) > sum(capacities):
         return False
-    prefix = [0]
-    for x in items:
-        prefix.append(prefix[-1] + x)
-    smallest = [0]
-    for x in reversed(items):
-        smallest.append(smallest[-1] + x)
+    prefix, smallest = _running_sums(items)
     failed: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
 
     def search(i: int, bins: list[list[int]]) -> bool:
