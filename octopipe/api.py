@@ -16,7 +16,7 @@ from octopipe import schedules
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import InfeasibleError, OctopipeError, PlanError
 from octopipe.ir.costs import CostTable
-from octopipe.ir.plan import B, F, PipelinePlan
+from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
 from octopipe.solver import balance_bound, refine_order, release_bound
@@ -193,24 +193,6 @@ def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimRes
     if not limit > 0:
         raise PlanError(f"plan: activation_limit must be positive, got {limit!r}")
     return float(limit)
-
-
-def least_memory(costs: CostTable, num_devices: int, memory: MemoryModel = MemoryModel()) -> tuple[float, PipelinePlan]:
-    """The smallest per-device peak memory any plan of these layers on `num_devices` devices
-    needs, within the plans the planner considers: a device must hold the weights, gradients and
-    optimizer state of its layers and the activations of at least one microbatch of them. Returns
-    (bytes, a one-microbatch plan that reaches it)."""
-    weights = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
-    bounds = schedules.balanced_boundaries(weights, num_devices)
-    stages = list(range(num_devices))
-    ops: list[list] = [[] for _ in range(num_devices)]
-    for s in stages:
-        ops[s] += [F(s, 0), B(s, 0)]
-    plan_ = PipelinePlan.build(1, bounds, stages, ops, num_devices=num_devices)
-    need = max(
-        sum(weights[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
-    )
-    return need, plan_
 
 
 def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_limit: float,

@@ -49,10 +49,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             elapsed = (time.perf_counter() - start) * 1e3
             if optimizer is not None:
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                for _, parameter in engine.named_parameters():
-                    parameter.grad = None
+            _clear_grads(engine)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -102,17 +99,26 @@ def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: 
     return out
 
 
-def _posting_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int) -> list[float]:
-    engine = pipe.engine(rank)
-    posts: list[float] = []
-    for step in range(1 + steps):
-        engine.timeline = [] if step else None
+def _clear_grads(engine: Any) -> None:
+    for _, parameter in engine.named_parameters():
+        parameter.grad = None
+
+
+def _timed_instructions(engine: Any, inputs: tuple, target: Any, steps: int, warmup: int) -> list[tuple[Any, float]]:
+    """(instruction, ms) of every instruction of `steps` steps after `warmup` unrecorded ones."""
+    timed: list[tuple[Any, float]] = []
+    for step in range(warmup + steps):
+        engine.timeline = [] if step >= warmup else None
         engine.step(inputs, target)
-        for _, parameter in engine.named_parameters():
-            parameter.grad = None
-        posts += [(end - start) * 1e3 for _, text, start, end in engine.timeline or ()
-                  if text.startswith(("send_", "recv_"))]
-    return posts
+        _clear_grads(engine)
+        timed += [(instruction, (end - start) * 1e3) for instruction, start, end in engine.timeline or ()]
+    engine.timeline = None
+    return timed
+
+
+def _posting_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int) -> list[float]:
+    timed = _timed_instructions(pipe.engine(rank), inputs, target, steps, warmup=1)
+    return [ms for instruction, ms in timed if instruction.is_send or instruction.is_recv]
 
 
 def measure_message_overhead_ms(size: int = 256 * 2**10, num_layers: int = 8, num_microbatches: int = 8,
@@ -210,84 +216,13 @@ def _zero_costs(num_layers: int):
     return CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(num_layers)])
 
 
-def calibrated_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int,
-                       *, repeats: int = 5) -> tuple[Any, float]:
-    """Per-layer costs measured on this machine, scaled so that the whole model run by the
-    runtime on one process (all layers one stage, microbatch after microbatch) takes what the
-    costs predict: layer ratios from the per-layer profile, absolute time from the runtime itself.
-    Returns (CostTable, scale applied)."""
-    import octopipe
-    from octopipe.ir.costs import CostTable
-    from octopipe.passes.codegen import microbatch
-    from octopipe.passes.profile import profile_costs
-
-    graph = octopipe.trace(model, tuple(inputs), loss_fn=loss_fn, example_target=target)
-    micro = microbatch(tuple(inputs), num_microbatches)
-    micro_target = microbatch((target,), num_microbatches)[0]
-    costs: CostTable = profile_costs(graph, micro, example_target=micro_target, repeats=repeats)
-    single = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=tuple(inputs),
-                              example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, costs=costs,
-                              schedule="1f1b", num_devices=1)
-    measured = measure_steps(single, inputs, target, steps=3, warmup=1).median_ms
-    scale = measured / single.simulation.iteration_ms
-    return scale_costs(costs, scale), scale
-
-
-def scale_costs(costs: Any, scale: float) -> Any:
-    """Every layer's times multiplied by `scale` (bytes unchanged)."""
-    return costs.replace_layers(
-        replace(layer, forward_ms=layer.forward_ms * scale, backward_ms=layer.backward_ms * scale,
-                backward_weight_ms=None if layer.backward_weight_ms is None else layer.backward_weight_ms * scale)
-        for layer in costs.layers
-    )
-
-
-def _profile_worker(rank: int, world_size: int, graph: Any, inputs: tuple, target: Any, repeats: int, warmup: int) -> Any:
-    from octopipe.passes.profile import profile_costs
-
-    return profile_costs(graph, inputs, example_target=target, repeats=repeats, warmup=warmup)
-
-
-def profile_under_load(graph: Any, micro_inputs: Sequence[Any], micro_target: Any = None, *, num_procs: int = 2,
-                       repeats: int = 7, warmup: int = 2, timeout_s: float = 600.0) -> Any:
-    """Per-layer costs measured the way the pipeline will run: `num_procs` processes (one thread
-    each) profile every layer at the same time, so each layer is timed while the other ranks
-    compete for the shared caches and memory bandwidth, as they do in a real step; the result is
-    the mean over the processes (bytes from the first). One process alone runs faster than each
-    of two running together, so a profile taken alone predicts steps too short."""
-    from octopipe.runtime import launch
-
-    tables = launch(_profile_worker, num_procs, args=(graph, tuple(micro_inputs), micro_target, repeats, warmup),
-                    timeout_s=timeout_s)
-    first = tables[0]
-
-    def mean(values: list[float | None]) -> float | None:
-        return None if any(v is None for v in values) else sum(values) / len(values)  # type: ignore[arg-type]
-
-    return first.replace_layers(
-        replace(layer, forward_ms=mean([t.layers[i].forward_ms for t in tables]),
-                backward_ms=mean([t.layers[i].backward_ms for t in tables]),
-                backward_weight_ms=mean([t.layers[i].backward_weight_ms for t in tables]))
-        for i, layer in enumerate(first.layers)
-    )
-
-
 def _runtime_profile_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int,
                             warmup: int) -> dict[tuple[str, int], list[float]]:
-    import re
-
     engine = pipe.engine(0)  # every process runs the whole one-rank program: the others are the load
     durations: dict[tuple[str, int], list[float]] = {}
-    pattern = re.compile(r"(forward|backward_input|backward_weight|backward) stage=(\d+) ")
-    for step in range(warmup + steps):
-        engine.timeline = [] if step >= warmup else None
-        engine.step(inputs, target)
-        for _, _, parameter in ((None, None, p) for _, p in engine.named_parameters()):
-            parameter.grad = None
-        for _, text, start, end in engine.timeline or ():
-            match = pattern.match(text)
-            if match:
-                durations.setdefault((match.group(1), int(match.group(2))), []).append((end - start) * 1e3)
+    for instruction, ms in _timed_instructions(engine, inputs, target, steps, warmup):
+        if instruction.is_compute:
+            durations.setdefault((instruction.kind.value, instruction.stage), []).append(ms)
     return durations
 
 

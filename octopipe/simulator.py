@@ -292,7 +292,11 @@ def _run(
     keep_fraction = memory.weight_memory_fraction
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
-    message = cluster.message_overhead_ms
+    # an F or B of a stage posts one message per neighbouring stage on another device (F: receive
+    # from the previous, send to the next; B: the reverse), each costing the host its posting time
+    posting = [cluster.message_overhead_ms * ((s > 0 and stage_device[s - 1] != stage_device[s])
+                                              + (s < num_stages - 1 and stage_device[s + 1] != stage_device[s]))
+               for s in range(num_stages)] if cluster.message_overhead_ms else None
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
     bandwidth_cache: dict[tuple[int, int], float] = {}
@@ -358,13 +362,8 @@ def _run(
                 starts[key] = begin  # type: ignore[index]
             elif arrival > begin:
                 begin = arrival
-            if message:
-                if kind is OpKind.F:
-                    duration += message * ((stage > 0 and stage_device[stage - 1] != device)
-                                           + (stage < num_stages - 1 and stage_device[stage + 1] != device))
-                elif kind is OpKind.B:
-                    duration += message * ((stage < num_stages - 1 and stage_device[stage + 1] != device)
-                                           + (stage > 0 and stage_device[stage - 1] != device))
+            if posting is not None and kind is not OpKind.W:
+                duration += posting[stage]
             finish = begin + duration + overhead
             done[key] = finish
             device_time[device] = finish

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import InfeasibleError, PlanError
+from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan
 from octopipe.simulator import MemoryModel, SimResult, simulate
@@ -958,16 +958,6 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
     slack = 2 * len(start)
     bound = max(0.0, (solver.BestObjectiveBound() - slack) / TICKS_PER_MS)
     return plan.with_ops(device_ops), bound, _hit_wall(solver, time_limit_s)
-
-
-def check_activation_budget(budget: Sequence[float] | None, need: Sequence[float]) -> None:
-    if budget is None:
-        return
-    for device, (have, needed) in enumerate(zip(budget, need)):
-        if needed > have + 1e-6:
-            raise InfeasibleError(f"device {device} needs {needed:.4g} activation bytes, budget {have:.4g}")
-
-
 
 
 # -- the joint model: partition, placement and order as variables (small instances) ----------------

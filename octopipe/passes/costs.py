@@ -1375,30 +1375,27 @@ def ratio_rows(
         ) -> None:
             rows.append(RatioRow(_family, _entry, ratio, profiled_value, analytic_value, checked))
 
+        def head_vs_mean_block(parts: list[tuple[str, int, float, float]], _head: float = head,
+                               _profiled_head: float = profiled["head F"]) -> None:
+            """The checked row: head F over the count-weighted mean of two block kinds;
+            parts = (label, count, profiled F, analytic F)."""
+            blocks = sum(n for _, n, _, _ in parts)
+            profiled_block = sum(n * p for _, n, p, _ in parts) / blocks
+            analytic_block = sum(n * a for _, n, _, a in parts) / blocks
+            label = " + ".join(f"{n} {name}" for name, n, _, _ in parts)
+            row(f"head F / mean block F ({label})", _profiled_head / profiled_block, _head / analytic_block,
+                checked=True)
+
         if family == "gemma":
             row("head F / block F", profiled["head F"], head / mean["block"], checked=True)
         elif family == "deepseek":
-            blocks = count["block"] + count["moe"]
-            profiled_block = (count["block"] * profiled["layer F"] + count["moe"] * profiled["moe F"]) / blocks
-            analytic_block = (count["block"] * mean["block"] + count["moe"] * mean["moe"]) / blocks
-            row(
-                f"head F / mean block F ({count['block']} dense + {count['moe']} MoE)",
-                profiled["head F"] / profiled_block,
-                head / analytic_block,
-                checked=True,
-            )
+            head_vs_mean_block([("dense", count["block"], profiled["layer F"], mean["block"]),
+                                ("MoE", count["moe"], profiled["moe F"], mean["moe"])])
             row("head F / dense block F", profiled["head F"], head / mean["block"])
             row("MoE block F / dense block F", profiled["moe F"], mean["moe"] / mean["block"])
         else:
-            blocks = count["mamba"] + count["mlp"]
-            profiled_block = (count["mamba"] * profiled["layer F"] + count["mlp"] * profiled["moe F"]) / blocks
-            analytic_block = (count["mamba"] * mean["mamba"] + count["mlp"] * mean["mlp"]) / blocks
-            row(
-                f"head F / mean block F ({count['mamba']} Mamba + {count['mlp']} MLP)",
-                profiled["head F"] / profiled_block,
-                head / analytic_block,
-                checked=True,
-            )
+            head_vs_mean_block([("Mamba", count["mamba"], profiled["layer F"], mean["mamba"]),
+                                ("MLP", count["mlp"], profiled["moe F"], mean["mlp"])])
             row("head F / Mamba block F", profiled["head F"] / profiled["layer F"], head / mean["mamba"])
             row("head F / MLP block F", profiled["head F"] / profiled["moe F"], head / mean["mlp"])
             row("Mamba block F / MLP block F", profiled["layer F"] / profiled["moe F"], mean["mamba"] / mean["mlp"])

@@ -97,9 +97,9 @@ class Engine:
         self._tied_groups = self._make_tied_groups()
         self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
         self.optimizer: torch.optim.Optimizer | None = None
-        self.timeline: list[tuple[int, str, float, float]] | None = None
-        """Set to a list to record (position, instruction text, start s, end s) of every
-        instruction of each step (perf_counter seconds): the measured timeline, for diagnosis."""
+        self.timeline: list[tuple[Instruction, float, float]] | None = None
+        """Set to a list to record (instruction, start s, end s) of every instruction of each step
+        (perf_counter seconds): the measured timeline, for calibration and diagnosis."""
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._handlers = {
@@ -240,7 +240,7 @@ class Engine:
                 else:
                     start = clock()
                     handlers[instruction.kind](instruction)
-                    timeline.append((position, str(instruction), start, clock()))
+                    timeline.append((instruction, start, clock()))
             except ExecutionError:
                 raise
             except Exception as exc:
@@ -345,7 +345,8 @@ class Engine:
         if stage.is_loss:
             self._loss_sum += outputs[0].detach().float()
 
-    def _run_backward(self, i: Instruction, defer: bool) -> None:
+    def _backward_input(self, i: Instruction) -> None:
+        """B: input gradients; split linears stash their weight gradients for W."""
         index, m = i.stage, i.microbatch
         stage = self.stages[index]
         slot = self._slots[(index, m)]
@@ -372,11 +373,8 @@ class Engine:
                     tensors.append(slot.outputs[j])
                     grads.append(grad)
         if tensors:
-            if defer:
-                slot.stash = WeightGradStash()
-                with deferred_weight_grads(slot.stash):
-                    torch.autograd.backward(tensors, grads)
-            else:
+            slot.stash = WeightGradStash()
+            with deferred_weight_grads(slot.stash):
                 torch.autograd.backward(tensors, grads)
         input_grads: list[Tensor | None] = [None] * len(stage.inputs)
         for k, ((kind, a, b), src) in enumerate(zip(self._fetch[index], stage.inputs)):
@@ -400,11 +398,8 @@ class Engine:
         # a full backward is B then W at once: measured on CPU, deferring the split linears'
         # weight gradients to the end of the backward runs faster than computing them inline
         # (and makes a full backward cost exactly B + W, as the simulator assumes)
-        self._run_backward(i, defer=True)
+        self._backward_input(i)
         self._backward_weight(i)
-
-    def _backward_input(self, i: Instruction) -> None:
-        self._run_backward(i, defer=True)
 
     def _backward_weight(self, i: Instruction) -> None:
         slot = self._slots[(i.stage, i.microbatch)]  # type: ignore[index]

@@ -4,7 +4,6 @@ must-show comparison with the profiled layer-type ratios."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import sympy
@@ -29,12 +28,7 @@ from octopipe.passes.trace import trace
 H100 = ClusterSpec.preset("h100x8")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_graph(name: str, **overrides) -> LayerGraph:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -13,13 +11,7 @@ from octopipe.models import MODEL_NAMES, build, config, example_inputs, example_
 from octopipe.passes.profile import layer_modules, profile_costs
 from octopipe.passes.trace import trace
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def traced(name: str, batch_size: int = 2):

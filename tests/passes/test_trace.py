@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,13 +12,7 @@ from octopipe import LayerGraph, TraceError
 from octopipe.models import MODEL_NAMES, build, config, example_inputs, example_target, lm_loss
 from octopipe.passes.trace import trace
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(name: str):
