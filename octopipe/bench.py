@@ -29,7 +29,8 @@ class StepTiming:
 
 
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
-                  warmup: int, learning_rate: float) -> list[StepTiming]:
+                  warmup: int, learning_rate: float, probes: Sequence[bool] = ()
+                  ) -> tuple[list[StepTiming], list[dict[tuple[str, int], list[float]]]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -39,9 +40,12 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   for params in ([p for _, p in e.named_parameters()] for e in engines)]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
+    durations: list[dict[tuple[str, int], list[float]]] = [{} for _ in pipes]
     for step in range(warmup + steps):
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
+            probe = index < len(probes) and probes[index] and step >= warmup
+            engine.timeline = [] if probe else None
             dist.barrier()
             start = time.perf_counter()
             loss = engine.step(inputs, target)
@@ -53,7 +57,13 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
-    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)]
+            if probe:
+                for instruction, begin, end in engine.timeline:
+                    if instruction.is_compute:
+                        durations[index].setdefault((instruction.kind.value, instruction.stage), []).append(
+                            (end - begin) * 1e3)
+                engine.timeline = None
+    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)], durations
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -70,12 +80,33 @@ def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, st
     steps interleaved (A B A B ...): the fair way to compare them on a noisy machine."""
     from octopipe.runtime import launch
 
+    return _measure(pipes, (), inputs, target, steps, warmup, learning_rate, timeout_s)[0]
+
+
+def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequence[Any], target: Any, *,
+                         steps: int = 5, warmup: int = 2, op_overhead_ms: float = 0.0,
+                         timeout_s: float = 600.0) -> tuple[list[StepTiming], Any]:
+    """`measure_many` with the runtime profile's pipeline (`runtime_probe`) run as one more
+    pipeline in the same rotation: the step timings of `pipes`, and the cost table measured in
+    those same minutes. Predictions from that table are free of the drift of this machine's speed
+    between a profile taken earlier and the measured run."""
+    every = list(pipes) + [probe.pipe]
+    timings, durations = _measure(every, [False] * len(pipes) + [True], inputs, target, steps, warmup, 0.0,
+                                  timeout_s)
+    return timings[:-1], probe.costs([run[-1] for run in durations], op_overhead_ms)
+
+
+def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
+             warmup: int, learning_rate: float, timeout_s: float
+             ) -> tuple[list[StepTiming], list[list[dict[tuple[str, int], list[float]]]]]:
+    from octopipe.runtime import launch
+
     sizes = {pipe.world_size for pipe in pipes}
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
-                                                        learning_rate), timeout_s=timeout_s)
-    return results[0]
+                                                        learning_rate, tuple(probes)), timeout_s=timeout_s)
+    return results[0][0], [durations for _, durations in results]
 
 
 def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> list[float]:
@@ -216,61 +247,84 @@ def _zero_costs(num_layers: int):
     return CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(num_layers)])
 
 
-def _runtime_profile_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int,
-                            warmup: int) -> dict[tuple[str, int], list[float]]:
-    engine = pipe.engine(0)  # every process runs the whole one-rank program: the others are the load
-    durations: dict[tuple[str, int], list[float]] = {}
-    for instruction, ms in _timed_instructions(engine, inputs, target, steps, warmup):
-        if instruction.is_compute:
-            durations.setdefault((instruction.kind.value, instruction.stage), []).append(ms)
-    return durations
+@dataclass(frozen=True)
+class RuntimeProbe:
+    """The runtime profile's pipeline (see `runtime_probe`) and the layer sizes it fills in."""
+
+    pipe: Any
+    sizes: Any
+
+    def costs(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0) -> Any:
+        """The cost table from the compute ops' durations (ms) each rank recorded: per layer, the
+        mean over microbatches and steps minus `op_overhead_ms` (the simulator adds that per op)."""
+        merged: dict[tuple[str, int], list[float]] = {}
+        for run in durations:
+            for key, values in run.items():
+                merged.setdefault(key, []).extend(values)
+
+        def time_of(kind: str, stage: int) -> float:
+            values = merged.get((kind, stage))
+            return max(0.0, statistics.fmean(values) - op_overhead_ms) if values else 0.0
+
+        return self.sizes.replace_layers(
+            replace(layer, forward_ms=time_of("forward", i),
+                    backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
+                    backward_weight_ms=time_of("backward_weight", i))
+            for i, layer in enumerate(self.sizes.layers)
+        )
 
 
-def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
-                       num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
-                       timeout_s: float = 600.0) -> Any:
-    """Per-layer F, B and W times measured by the runtime itself, under the load of a real run.
-
-    The model is compiled as one stage per layer on one rank (microbatch after microbatch: F of
-    every layer, then B and W of every layer in reverse), and `num_procs` processes run that
-    program at the same time, each its own copy, so every op is timed on the code path a pipeline
-    step takes (stage modules, split linears, activations kept across microbatches, the host
-    memory policy) while the other processes load the shared caches and memory bandwidth as the
-    other ranks do. Each layer's time is the median over microbatches and steps, averaged over the
-    processes, minus `op_overhead_ms` (the simulator adds that per op). Bytes come from
-    `profile_costs`. This is the CPU profile the demo and the fidelity benchmark use: the
-    layer-in-a-loop profile of `profile_costs` runs 1.3-1.5x faster than the same layers inside
-    a step on this machine."""
+def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
+                  num_procs: int = 2, schedule: str = "zb-h1") -> RuntimeProbe:
+    """The pipeline the runtime profile times: one stage per layer, the layers split into
+    `num_procs` contiguous groups of about equal load (from a quick `profile_costs`, which also
+    gives the bytes), one group per process, run with `schedule`'s op order (each of its ops
+    expanded into the group's per-layer ops: F in layer order, B and W in reverse)."""
     import octopipe
-    from octopipe.ir.plan import B, F, PipelinePlan, W
+    from octopipe import schedules
+    from octopipe.ir.plan import Op, OpKind, PipelinePlan
     from octopipe.passes.codegen import microbatch
     from octopipe.passes.profile import profile_costs
-    from octopipe.runtime import launch
 
     graph = octopipe.trace(model, tuple(inputs), loss_fn=loss_fn, example_target=target)
     micro = microbatch(tuple(inputs), num_microbatches)
     micro_target = microbatch((target,), num_microbatches)[0]
     sizes = profile_costs(graph, micro, example_target=micro_target, repeats=1, warmup=1)
     layers = len(sizes)
-    ops = []
-    for mb in range(num_microbatches):
-        ops += [F(s, mb) for s in range(layers)]
-        for s in reversed(range(layers)):
-            ops += [B(s, mb), W(s, mb)]
-    plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), [0] * layers, [ops], num_devices=1)
-    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=tuple(inputs),
+    groups = min(num_procs, layers)
+    bounds = schedules.balanced_boundaries([layer.forward_ms + layer.backward_ms for layer in sizes], groups)
+    members = [range(bounds[g], bounds[g + 1]) for g in range(groups)]
+    device_ops = []
+    for order in schedules.device_orders(schedule, groups, num_microbatches):
+        expanded: list[Op] = []
+        for op in order:
+            layer_order = members[op.stage] if op.kind is OpKind.F else reversed(members[op.stage])
+            expanded += [Op(layer, op.kind, op.microbatch) for layer in layer_order]
+        device_ops.append(expanded)
+    placement = [group for group in range(groups) for _ in members[group]]
+    plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), placement, device_ops, num_devices=groups)
+    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=groups), example_inputs=tuple(inputs),
                             example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
                             costs=sizes, quiet=True)
-    runs = launch(_runtime_profile_worker, num_procs, args=(pipe, tuple(inputs), target, steps, warmup),
-                  timeout_s=timeout_s)
+    return RuntimeProbe(pipe, sizes)
 
-    def time_of(kind: str, stage: int) -> float:
-        values = [statistics.median(run[(kind, stage)]) for run in runs if (kind, stage) in run]
-        return max(0.0, sum(values) / len(values) - op_overhead_ms) if values else 0.0
 
-    return sizes.replace_layers(
-        replace(layer, forward_ms=time_of("forward", i),
-                backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
-                backward_weight_ms=time_of("backward_weight", i))
-        for i, layer in enumerate(sizes.layers)
-    )
+def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
+                       num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
+                       schedule: str = "zb-h1", timeout_s: float = 600.0) -> Any:
+    """Per-layer F, B and W times measured by the runtime itself, inside a real pipelined step
+    (the pipeline of `runtime_probe`, run alone for `warmup + steps` steps).
+
+    Every op is thus timed on the code path and under the conditions of a pipeline step: stage
+    modules, split linears, several microbatches' activations alive, the other processes running
+    other ops of the same step at the same time (a forward here beside a backward there loads the
+    shared caches and memory bandwidth differently than two forwards side by side), and the gloo
+    threads; waiting for a message is not counted (see `Engine.timeline`). Each layer's time is
+    the mean over microbatches and steps (not the median: the first microbatches of a step run
+    slower, and a step's time is the sum of all of them). This is the CPU profile the demo and the
+    benchmarks use: on this machine the layer-in-a-loop profile of `profile_costs` runs 1.3-1.5x
+    faster than the same layers inside a step, and a one-rank loop of every layer about 1.25x
+    faster in the forward."""
+    probe = runtime_probe(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, schedule=schedule)
+    _, durations = _measure([probe.pipe], [True], inputs, target, steps, warmup, 0.0, timeout_s)
+    return probe.costs([run[0] for run in durations], op_overhead_ms)

@@ -355,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan a heterogeneous model for 2 CPU processes, train it, compare with the best baseline")
     p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans")
-    p.add_argument("--steps", type=int, default=4, help="measured training steps per plan")
+    p.add_argument("--steps", type=int, default=8, help="measured training steps per plan")
     p.add_argument("--time-limit", type=float, default=20.0, help="planner time limit in seconds")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests)")
     p.set_defaults(run=cmd_demo)

@@ -2,11 +2,13 @@
 
 Takes a built-in heterogeneous model (DeepSeek-style: dense layers, then MoE layers whose
 experts make them several times heavier, and a large-vocabulary head), profiles its layers on
-this CPU inside the runtime with both processes busy (`octopipe.bench.profile_in_runtime`), plans it for a local "cluster" of 2 gloo processes (link measured by a ping-pong),
-prints the report (OctoPipe vs every baseline, predicted), then trains a few steps with the
-OctoPipe plan and with the best baseline — steps interleaved so machine noise hits both alike —
-and prints measured step times beside the predictions, the measured speedup, and where the
-timeline pictures are.
+this CPU inside a pipelined step of the runtime (`octopipe.bench.profile_in_runtime`), plans it
+for a local "cluster" of 2 gloo processes (link measured by a ping-pong), prints the report
+(OctoPipe vs every baseline, predicted), then trains a few steps with the OctoPipe plan and with
+the best baseline — steps interleaved so machine noise hits both alike, and with the profiling
+pipeline in the same rotation so the predictions use this minute's speed of the machine — and
+prints measured step times beside the predictions, the measured speedup, and where the timeline
+pictures are.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ NUM_MICROBATCHES = 8
 NUM_DEVICES = 2
 
 
-def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s: float = 20.0, quick: bool = False,
+def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s: float = 20.0, quick: bool = False,
              say=print) -> dict:
     import octopipe
     from octopipe import models, schedules
-    from octopipe.bench import calibrate_cpu_cluster, measure_many, profile_in_runtime
+    from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, profile_in_runtime, runtime_probe
     from octopipe.viz import draw_comparison
 
     started = time.perf_counter()
@@ -80,21 +82,27 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s
         rows.append((f"{report.best_baseline.name} (over the limit)", baseline(report.best_baseline.name)))
     if "1f1b/uniform" not in (name.split(" ")[0] for name, _ in rows):
         rows.append(("1f1b/uniform (Megatron default)", baseline("1f1b/uniform")))
-    say(f"\ntraining {steps} steps of each plan (interleaved, after one warm-up step) ...")
-    timings = measure_many([pipe for _, pipe in rows], inputs, target, steps=steps, warmup=1)
-    say(f"{'plan':<36} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   losses")
-    for (name, pipe), timing in zip(rows, timings):
-        predicted = pipe.simulation.iteration_ms
+    # the profiling pipeline runs in the same rotation: "predicted" uses the costs of these very
+    # minutes (this machine's speed drifts between launches); "planned" is the planning profile's
+    say(f"\ntraining {steps} steps of each plan (interleaved with each other and with the profiling pipeline, "
+        "after one warm-up step) ...")
+    probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
+    timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
+                                        op_overhead_ms=cluster.op_overhead_ms)
+    predictions = [octopipe.simulate(pipe.plan, now, cluster).iteration_ms for _, pipe in rows]
+    say(f"{'plan':<36} {'planned ms':>10} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   losses")
+    for (name, pipe), timing, predicted in zip(rows, timings, predictions):
         error = timing.median_ms / predicted - 1
         losses = " ".join(f"{x:.4f}" for x in timing.losses)
-        say(f"{name:<36} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+7.1%}   {losses}")
+        say(f"{name:<36} {pipe.simulation.iteration_ms:>10.1f} {predicted:>12.1f} {timing.median_ms:>12.1f} "
+            f"{error:>+7.1%}   {losses}")
     ours, timing_ours = rows[0][1], timings[0]
     theirs, timing_theirs = rows[1][1], timings[1]
-    for (name, pipe), timing in list(zip(rows, timings))[1:]:
+    for (name, pipe), timing, predicted in list(zip(rows, timings, predictions))[1:]:
         say(f"speedup over {name}: measured {timing.median_ms / timing_ours.median_ms:.3f}x, predicted "
-            f"{pipe.simulation.iteration_ms / ours.simulation.iteration_ms:.3f}x")
+            f"{predicted / predictions[0]:.3f}x")
     measured = timing_theirs.median_ms / timing_ours.median_ms
-    predicted = theirs.simulation.iteration_ms / ours.simulation.iteration_ms
+    predicted = predictions[1] / predictions[0]
     picture = out / "timelines.png"
     draw_comparison({"octopipe": ours.simulation, best_name: theirs.simulation}, picture,
                     title="predicted timelines (profiled costs)")
@@ -104,4 +112,4 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 4, time_limit_s
     say(f"timeline pictures: {picture}; plans and report in {out}/ ({time.perf_counter() - started:.0f} s in all)")
     return {"measured_speedup": measured, "predicted_speedup": predicted, "best_baseline": best_name,
             "ours_ms": timing_ours.median_ms, "baseline_ms": timing_theirs.median_ms,
-            "ours_predicted_ms": ours.simulation.iteration_ms, "baseline_predicted_ms": theirs.simulation.iteration_ms}
+            "ours_predicted_ms": predictions[0], "baseline_predicted_ms": predictions[1]}

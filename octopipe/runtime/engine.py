@@ -99,7 +99,10 @@ class Engine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
-        (perf_counter seconds): the measured timeline, for calibration and diagnosis."""
+        (perf_counter seconds): the measured timeline, for calibration and diagnosis. A compute
+        instruction's start is when its received inputs were there: waiting for a message is not
+        counted as its work."""
+        self._inputs_ready = 0.0
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._handlers = {
@@ -239,8 +242,9 @@ class Engine:
                     handlers[instruction.kind](instruction)
                 else:
                     start = clock()
+                    self._inputs_ready = 0.0
                     handlers[instruction.kind](instruction)
-                    timeline.append((instruction, start, clock()))
+                    timeline.append((instruction, max(start, self._inputs_ready), clock()))
             except ExecutionError:
                 raise
             except Exception as exc:
@@ -332,6 +336,7 @@ class Engine:
                         raise ExecutionError(f"rank {self.rank}: {self._where(i)}: activations from stage {a} were never "
                                              "received (no recv_act before this forward)")
                     received[a] = self.transport.wait(pending, self._lazy_where(i))
+                    self._inputs_ready = time.perf_counter()
                 position = self._recv_layout[(a, index)].index(len(args))
                 value = received[a][position]
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
@@ -367,6 +372,7 @@ class Engine:
                 for j, grad in zip(layout, self.transport.wait(pending, self._lazy_where(i))):
                     current = slot.output_grads[j]
                     slot.output_grads[j] = grad if current is None else current + grad
+                self._inputs_ready = time.perf_counter()
             for j, spec in enumerate(stage.outputs):
                 grad = slot.output_grads[j]
                 if spec.requires_grad and grad is not None and slot.outputs[j].requires_grad:

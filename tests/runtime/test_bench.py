@@ -30,6 +30,54 @@ def test_profile_in_runtime_times_every_layer_the_runtime_way():
     assert all(layer.activation_bytes > 0 for layer in blocks)  # bytes come from profile_costs
 
 
+def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the_bytes():
+    import octopipe
+    from octopipe.bench import measure_with_profile, runtime_probe
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    probe = runtime_probe(model, inputs, target, models.lm_loss, 2)
+    assert probe.pipe.plan.num_stages == len(probe.sizes)  # one stage per layer, on both ranks
+    assert set(probe.pipe.plan.placement) == {0, 1}
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
+    plan = octopipe.schedules.build("1f1b", probe.sizes, cluster, 2)
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                            num_microbatches=2, costs=probe.sizes, plan=plan, quiet=True)
+    timings, costs = measure_with_profile([pipe], probe, inputs, target, steps=2, warmup=1)
+    assert len(timings) == 1 and len(timings[0].step_ms) == 2  # the probe's own steps are not reported
+    assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
+    assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
+    assert [layer.activation_bytes for layer in costs] == [layer.activation_bytes for layer in probe.sizes]
+
+
+def _first_ops(rank, world_size, pipe, inputs, target):
+    engine = pipe.engine(rank)
+    engine.timeline = []
+    engine.step(inputs, target)
+    return [(str(instruction).split()[0], instruction.stage, start, end) for instruction, start, end in engine.timeline]
+
+
+def test_timeline_does_not_count_waiting_for_a_message_as_compute():
+    import octopipe
+    from octopipe.runtime import launch
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=16)
+    target = models.example_target("llama", "tiny", batch_size=16)
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                            num_microbatches=2, schedule="1f1b", quiet=True)
+    first, second = launch(_first_ops, 2, args=(pipe, inputs, target))
+    # rank 1's first forward needs rank 0's activations: its recorded start is after rank 0
+    # posted them (perf_counter is one monotonic clock for all processes of this machine)
+    posted = next(start for kind, _, start, _ in first if kind == "send_act")
+    forward = next(start for kind, _, start, _ in second if kind == "forward")
+    assert forward >= posted
+
+
 def test_message_overhead_is_a_small_positive_host_cost():
     value = measure_message_overhead_ms(num_layers=4, num_microbatches=2, steps=1)
     assert 0 < value < 50
