@@ -385,6 +385,7 @@ def compile(
     leaf_modules: Sequence[Any] = (),
     split_backward: bool | None = None,
     compile_stages: bool = False,
+    receive_ahead: int | None = None,
     seed: int = 0,
     quiet: bool = False,
 ) -> Pipeline:
@@ -396,7 +397,11 @@ def compile(
     batch; with it the loss is traced as the last layer (and costed), without it the last stage
     applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device) or a
     CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
-    name (e.g. "zb-v") with `partition` ("balanced" or "uniform")."""
+    name (e.g. "zb-v") with `partition` ("balanced" or "uniform"). receive_ahead: how many computes
+    before the one that reads it a receive is posted (as far as the pair order allows; see
+    `passes/lower.py`); default: as early as that order allows on gloo, where a send moves its data
+    only once the receive is posted (posted late, the data waits for the sender's I/O thread to get
+    a core while both ranks compute), and 1 on NCCL, where every posted receive holds a buffer."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import trace
@@ -447,7 +452,11 @@ def compile(
                                               loss_fn=loss_fn, model=model, split_backward=split_backward,
                                               compile=compile_stages))
     links = links_of(stages)
-    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen)))
+    if receive_ahead is None:
+        receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
+    elif not isinstance(receive_ahead, int) or isinstance(receive_ahead, bool) or receive_ahead < 0:
+        raise PlanError(f"compile: receive_ahead must be a non-negative integer (computes), got {receive_ahead!r}")
+    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead))
     timed("verify", lambda: verify(programs, chosen, links))
     return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
 

@@ -99,3 +99,32 @@ def test_bad_arguments_are_clear_errors(tmp_path):
                          num_microbatches=2, plan=tmp_path / "four.json")
     with pytest.raises(OctopipeError, match="rank must be in 0..1"):
         pipe.engine(5)
+
+
+def _receive_positions(pipe):
+    """(rank, instruction text) -> position of each receive in its rank's program."""
+    return {(program.rank, str(instruction)): position for program in pipe.programs
+            for position, instruction in enumerate(program.instructions) if instruction.is_recv}
+
+
+def test_receives_are_posted_as_early_as_the_pair_order_allows_on_gloo_and_one_compute_ahead_on_nccl():
+    model, x, y = _tiny("llama")
+    gpu_like = ClusterSpec.preset("h100x8", num_devices=2)
+    assert CLUSTER.backend == "gloo" and gpu_like.backend == "nccl"
+    common = dict(example_inputs=x, example_target=y, loss_fn=models.lm_loss, num_microbatches=4, schedule="1f1b")
+    gloo = octopipe.compile(model, CLUSTER, **common)
+    nccl = octopipe.compile(model, gpu_like, **common)
+    same = octopipe.compile(model, CLUSTER, receive_ahead=1, **common)
+    assert same.programs == nccl.programs
+    early, late = _receive_positions(gloo), _receive_positions(nccl)
+    assert early.keys() == late.keys()
+    # each rank's program has the same instructions, every receive posted no later than before
+    moved = 0
+    for key, position in early.items():
+        rank = key[0]
+        computes_before = lambda pipe, p: sum(i.is_compute for i in pipe.programs[rank].instructions[:p])
+        assert computes_before(gloo, position) <= computes_before(nccl, late[key])
+        moved += computes_before(gloo, position) < computes_before(nccl, late[key])
+    assert moved > 0
+    with pytest.raises(PlanError, match="receive_ahead must be a non-negative integer"):
+        octopipe.compile(model, CLUSTER, receive_ahead=-1, **common)
