@@ -33,7 +33,7 @@ from torch import nn
 
 import octopipe
 from octopipe import models
-from octopipe.bench import calibrate_cpu_cluster, profile_in_runtime
+from octopipe.bench import calibrate_cpu_cluster, runtime_profile
 from octopipe.runtime import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -170,17 +170,18 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cluster = calibrate_cpu_cluster(2)
-    print(f"2 ranks, gloo, CPU, 1 thread each; link {cluster.latency_s * 1e6:.0f} us, "
-          f"{cluster.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {NUM_MICROBATCHES} microbatches; "
+    calibrated = calibrate_cpu_cluster(2)
+    print(f"2 ranks, gloo, CPU, 1 thread each; link {calibrated.latency_s * 1e6:.0f} us, "
+          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {NUM_MICROBATCHES} microbatches; "
           f"median of {args.steps} steps after {args.warmup} warm-up (a step = the slowest rank)")
     header = f"{'model':<11} {'octopipe ms':>11} {'best torch schedule':<30} {'torch ms':>9} {'tokens/s ours':>13} " \
              f"{'tokens/s torch':>14} {'speedup':>8}"
     lines = []
     for name in args.models.split(","):
         model, inputs, target = _data(name)
-        costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
-                                   op_overhead_ms=cluster.op_overhead_ms)
+        profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
+                                  op_overhead_ms=calibrated.op_overhead_ms)
+        costs, cluster = profile.costs, profile.calibrate(calibrated)
         result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                 num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)

@@ -1,13 +1,13 @@
 """Does the simulator predict real runs? Predicted vs measured step time of several models and
 plans on 2 CPU processes (gloo), with costs from `profile` on this machine.
 
-For each model (the CPU configs of benchmarks/cpu_models.py): calibrate the link, the per-op and
-the per-message host overheads (`calibrate_cpu_cluster`), profile its layers inside a pipelined
-step of the runtime (`octopipe.bench.profile_in_runtime`), build several plans from that profile
-(1F1B, ZB-H1, ZB-V, interleaved 1F1B and OctoPipe's own), then measure them all in one launch,
+For each model (the CPU configs of benchmarks/cpu_models.py): calibrate the link and the per-op
+host overhead (`calibrate_cpu_cluster`), profile the layers and the host time of a message inside
+a pipelined step of the runtime (`octopipe.bench.runtime_profile`), build several plans from that
+profile (1F1B, ZB-H1, ZB-V, interleaved 1F1B and OctoPipe's own), then measure them all in one launch,
 steps interleaved, with the profiling pipeline itself run as one more pipeline in the same
 rotation (`measure_with_profile`). The predicted step time is `octopipe.simulate` of each plan
-with the costs that rotation measured: this machine's speed drifts by 10-40% between launches
+with the profile that rotation measured: this machine's speed drifts by 10-40% between launches
 minutes apart, so a profile taken earlier predicts the machine of then, not of the run. The
 "earlier" column keeps the prediction from the planning profile for comparison.
 Prints each error and the mean and max absolute error (target: mean <= 5%, max <= 10%), and the
@@ -32,7 +32,7 @@ from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
 
 import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
-from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, profile_in_runtime, runtime_probe  # noqa: E402
+from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe, runtime_profile  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
 
@@ -44,9 +44,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="planner seconds per model")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cluster = calibrate_cpu_cluster(2)
-    print(f"2 CPU processes (gloo, 1 thread each); link {cluster.latency_s * 1e6:.0f} us, "
-          f"{cluster.intra_node_bandwidth / 1e9:.2f} GB/s measured; {NUM_MICROBATCHES} microbatches")
+    calibrated = calibrate_cpu_cluster(2)
+    print(f"2 CPU processes (gloo, 1 thread each); link {calibrated.latency_s * 1e6:.0f} us, "
+          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {NUM_MICROBATCHES} microbatches")
     print(f"{'model':<11} {'plan':<26} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'relative':>9} "
           f"{'earlier ms':>10} {'error':>8}")
     errors = []
@@ -54,8 +54,9 @@ def main() -> None:
     earlier_errors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
-        costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
-                                   op_overhead_ms=cluster.op_overhead_ms)
+        profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
+                                  op_overhead_ms=calibrated.op_overhead_ms)
+        costs, cluster = profile.costs, profile.calibrate(calibrated)
         plans = {}
         for schedule in SCHEDULES:
             plans[f"{schedule}/balanced"] = octopipe.schedules.build(schedule, costs, cluster, NUM_MICROBATCHES,
@@ -67,7 +68,7 @@ def main() -> None:
         probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
         timings, now = measure_with_profile(pipes, probe, inputs, target, steps=args.steps, warmup=1,
                                             op_overhead_ms=cluster.op_overhead_ms)
-        predictions = [octopipe.simulate(plan, now, cluster).iteration_ms for plan in plans.values()]
+        predictions = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)).iteration_ms for plan in plans.values()]
         reference_predicted, reference_measured = predictions[0], timings[0].median_ms
         for (label, _), pipe, timing, predicted in zip(plans.items(), pipes, timings, predictions):
             error = timing.median_ms / predicted - 1

@@ -60,8 +60,12 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if probe:
                 for instruction, begin, end in engine.timeline:
                     if instruction.is_compute:
-                        durations[index].setdefault((instruction.kind.value, instruction.stage), []).append(
-                            (end - begin) * 1e3)
+                        key = (instruction.kind.value, instruction.stage)
+                    elif instruction.is_send or instruction.is_recv:
+                        key = (MESSAGE, -1)
+                    else:
+                        continue
+                    durations[index].setdefault(key, []).append((end - begin) * 1e3)
                 engine.timeline = None
     return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)], durations
 
@@ -85,15 +89,15 @@ def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, st
 
 def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequence[Any], target: Any, *,
                          steps: int = 5, warmup: int = 2, op_overhead_ms: float = 0.0,
-                         timeout_s: float = 600.0) -> tuple[list[StepTiming], Any]:
+                         timeout_s: float = 600.0) -> tuple[list[StepTiming], RuntimeProfile]:
     """`measure_many` with the runtime profile's pipeline (`runtime_probe`) run as one more
-    pipeline in the same rotation: the step timings of `pipes`, and the cost table measured in
-    those same minutes. Predictions from that table are free of the drift of this machine's speed
-    between a profile taken earlier and the measured run."""
+    pipeline in the same rotation: the step timings of `pipes`, and the profile measured in those
+    same minutes. Predictions from it are free of the drift of this machine's speed between a
+    profile taken earlier and the measured run."""
     every = list(pipes) + [probe.pipe]
     timings, durations = _measure(every, [False] * len(pipes) + [True], inputs, target, steps, warmup, 0.0,
                                   timeout_s)
-    return timings[:-1], probe.costs([run[-1] for run in durations], op_overhead_ms)
+    return timings[:-1], probe.profile([run[-1] for run in durations], op_overhead_ms)
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
@@ -247,6 +251,27 @@ def _zero_costs(num_layers: int):
     return CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(num_layers)])
 
 
+MESSAGE = "message"
+"""The durations key (with stage -1) under which a probe's sends and receives are recorded."""
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    """What the runtime profile measured inside pipelined steps."""
+
+    costs: Any
+    """Per-layer F, B and W (CostTable; bytes from `profile_costs`)."""
+    message_overhead_ms: float | None
+    """Mean host time of one send or receive instruction in those steps, with real activation
+    sizes and both processes busy (None when the probe exchanged no message)."""
+
+    def calibrate(self, cluster: ClusterSpec) -> ClusterSpec:
+        """`cluster` with this profile's per-message host time (unchanged when none was measured)."""
+        if self.message_overhead_ms is None:
+            return cluster
+        return replace(cluster, message_overhead_ms=self.message_overhead_ms)
+
+
 @dataclass(frozen=True)
 class RuntimeProbe:
     """The runtime profile's pipeline (see `runtime_probe`) and the layer sizes it fills in."""
@@ -254,9 +279,11 @@ class RuntimeProbe:
     pipe: Any
     sizes: Any
 
-    def costs(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0) -> Any:
-        """The cost table from the compute ops' durations (ms) each rank recorded: per layer, the
-        mean over microbatches and steps minus `op_overhead_ms` (the simulator adds that per op)."""
+    def profile(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0
+                ) -> RuntimeProfile:
+        """The profile from the instructions' durations (ms) each rank recorded: per layer, the
+        mean over microbatches and steps minus `op_overhead_ms` (the simulator adds that per op);
+        per message, the mean time of its send and receive instructions."""
         merged: dict[tuple[str, int], list[float]] = {}
         for run in durations:
             for key, values in run.items():
@@ -266,12 +293,14 @@ class RuntimeProbe:
             values = merged.get((kind, stage))
             return max(0.0, statistics.fmean(values) - op_overhead_ms) if values else 0.0
 
-        return self.sizes.replace_layers(
+        costs = self.sizes.replace_layers(
             replace(layer, forward_ms=time_of("forward", i),
                     backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
                     backward_weight_ms=time_of("backward_weight", i))
             for i, layer in enumerate(self.sizes.layers)
         )
+        messages = merged.get((MESSAGE, -1))
+        return RuntimeProfile(costs, statistics.fmean(messages) if messages else None)
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
@@ -312,8 +341,17 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
 def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
                        num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
                        schedule: str = "zb-h1", timeout_s: float = 600.0) -> Any:
-    """Per-layer F, B and W times measured by the runtime itself, inside a real pipelined step
-    (the pipeline of `runtime_probe`, run alone for `warmup + steps` steps).
+    """The cost table of `runtime_profile` (same arguments)."""
+    return runtime_profile(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, steps=steps,
+                           warmup=warmup, op_overhead_ms=op_overhead_ms, schedule=schedule, timeout_s=timeout_s).costs
+
+
+def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
+                    num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
+                    schedule: str = "zb-h1", timeout_s: float = 600.0) -> RuntimeProfile:
+    """Per-layer F, B and W times and the per-message host time measured by the runtime itself,
+    inside a real pipelined step (the pipeline of `runtime_probe`, run alone for `warmup + steps`
+    steps).
 
     Every op is thus timed on the code path and under the conditions of a pipeline step: stage
     modules, split linears, several microbatches' activations alive, the other processes running
@@ -327,4 +365,4 @@ def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: 
     faster in the forward."""
     probe = runtime_probe(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, schedule=schedule)
     _, durations = _measure([probe.pipe], [True], inputs, target, steps, warmup, 0.0, timeout_s)
-    return probe.costs([run[0] for run in durations], op_overhead_ms)
+    return probe.profile([run[0] for run in durations], op_overhead_ms)

@@ -2,7 +2,7 @@
 
 Takes a built-in heterogeneous model (DeepSeek-style: dense layers, then MoE layers whose
 experts make them several times heavier, and a large-vocabulary head), profiles its layers on
-this CPU inside a pipelined step of the runtime (`octopipe.bench.profile_in_runtime`), plans it
+this CPU inside a pipelined step of the runtime (`octopipe.bench.runtime_profile`), plans it
 for a local "cluster" of 2 gloo processes (link measured by a ping-pong), prints the report
 (OctoPipe vs every baseline, predicted), then trains a few steps with the OctoPipe plan and with
 the best baseline — steps interleaved so machine noise hits both alike, and with the profiling
@@ -33,7 +33,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
              say=print) -> dict:
     import octopipe
     from octopipe import models, schedules
-    from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, profile_in_runtime, runtime_probe
+    from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe, runtime_profile
     from octopipe.viz import draw_comparison
 
     started = time.perf_counter()
@@ -53,8 +53,9 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
 
     cluster = calibrate_cpu_cluster(NUM_DEVICES)
     say(f"link: {cluster.latency_s * 1e6:.0f} us latency, {cluster.intra_node_bandwidth / 1e9:.2f} GB/s (measured)")
-    costs = profile_in_runtime(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES,
-                               op_overhead_ms=cluster.op_overhead_ms)
+    profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES,
+                              op_overhead_ms=cluster.op_overhead_ms)
+    costs, cluster = profile.costs, profile.calibrate(cluster)
     say(f"profiled {len(costs)} layers in the runtime under load: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")
 
@@ -89,7 +90,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
     timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
                                         op_overhead_ms=cluster.op_overhead_ms)
-    predictions = [octopipe.simulate(pipe.plan, now, cluster).iteration_ms for _, pipe in rows]
+    predictions = [octopipe.simulate(pipe.plan, now.costs, now.calibrate(cluster)).iteration_ms for _, pipe in rows]
     say(f"{'plan':<36} {'planned ms':>10} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   losses")
     for (name, pipe), timing, predicted in zip(rows, timings, predictions):
         error = timing.median_ms / predicted - 1

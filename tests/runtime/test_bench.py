@@ -45,8 +45,11 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     plan = octopipe.schedules.build("1f1b", probe.sizes, cluster, 2)
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                             num_microbatches=2, costs=probe.sizes, plan=plan, quiet=True)
-    timings, costs = measure_with_profile([pipe], probe, inputs, target, steps=2, warmup=1)
+    timings, profile = measure_with_profile([pipe], probe, inputs, target, steps=2, warmup=1)
     assert len(timings) == 1 and len(timings[0].step_ms) == 2  # the probe's own steps are not reported
+    costs = profile.costs
+    assert 0 < profile.message_overhead_ms < 50  # the probe's two layer groups exchange messages
+    assert profile.calibrate(cluster).message_overhead_ms == profile.message_overhead_ms
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
     assert [layer.activation_bytes for layer in costs] == [layer.activation_bytes for layer in probe.sizes]
