@@ -94,10 +94,10 @@ def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequ
     pipeline in the same rotation: the step timings of `pipes`, and the profile measured in those
     same minutes. Predictions from it are free of the drift of this machine's speed between a
     profile taken earlier and the measured run."""
-    every = list(pipes) + [probe.pipe]
-    timings, durations = _measure(every, [False] * len(pipes) + [True], inputs, target, steps, warmup, 0.0,
-                                  timeout_s)
-    return timings[:-1], probe.profile([run[-1] for run in durations], op_overhead_ms)
+    extra = len(probe.pipes)
+    timings, durations = _measure(list(pipes) + list(probe.pipes), [False] * len(pipes) + [True] * extra, inputs,
+                                  target, steps, warmup, 0.0, timeout_s)
+    return timings[:-extra], probe.profile([run for rank in durations for run in rank[-extra:]], op_overhead_ms)
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
@@ -279,11 +279,20 @@ class RuntimeProbe:
     pipe: Any
     sizes: Any
 
+    fused: Any = None
+    """The same layers and groups run with 1F1B's order: each B a full backward (B and W in one
+    op), timed for `LayerCost.backward_full_ms` (None: not measured)."""
+
+    @property
+    def pipes(self) -> tuple[Any, ...]:
+        return (self.pipe,) if self.fused is None else (self.pipe, self.fused)
+
     def profile(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0
                 ) -> RuntimeProfile:
-        """The profile from the instructions' durations (ms) each rank recorded: per layer, the
-        mean over microbatches and steps minus `op_overhead_ms` (the simulator adds that per op);
-        per message, the mean time of its send and receive instructions."""
+        """The profile from the instructions' durations (ms) each rank recorded running `pipes`
+        (one dict per rank and pipe, in any order): per layer and op kind, the mean over
+        microbatches and steps minus `op_overhead_ms` (the simulator adds that per op); per
+        message, the mean time of its send and receive instructions."""
         merged: dict[tuple[str, int], list[float]] = {}
         for run in durations:
             for key, values in run.items():
@@ -296,7 +305,8 @@ class RuntimeProbe:
         costs = self.sizes.replace_layers(
             replace(layer, forward_ms=time_of("forward", i),
                     backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
-                    backward_weight_ms=time_of("backward_weight", i))
+                    backward_weight_ms=time_of("backward_weight", i),
+                    backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None)
             for i, layer in enumerate(self.sizes.layers)
         )
         messages = merged.get((MESSAGE, -1))
@@ -304,11 +314,12 @@ class RuntimeProbe:
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
-                  num_procs: int = 2, schedule: str = "zb-h1") -> RuntimeProbe:
-    """The pipeline the runtime profile times: one stage per layer, the layers split into
+                  num_procs: int = 2, schedule: str = "zb-h1", fused: bool = True) -> RuntimeProbe:
+    """The pipelines the runtime profile times: one stage per layer, the layers split into
     `num_procs` contiguous groups of about equal load (from a quick `profile_costs`, which also
     gives the bytes), one group per process, run with `schedule`'s op order (each of its ops
-    expanded into the group's per-layer ops: F in layer order, B and W in reverse)."""
+    expanded into the group's per-layer ops: F in layer order, B and W in reverse) and, with
+    `fused`, also with 1F1B's order, whose backward ops compute B and W together."""
     import octopipe
     from octopipe import schedules
     from octopipe.ir.plan import Op, OpKind, PipelinePlan
@@ -323,19 +334,22 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
     groups = min(num_procs, layers)
     bounds = schedules.balanced_boundaries([layer.forward_ms + layer.backward_ms for layer in sizes], groups)
     members = [range(bounds[g], bounds[g + 1]) for g in range(groups)]
-    device_ops = []
-    for order in schedules.device_orders(schedule, groups, num_microbatches):
-        expanded: list[Op] = []
-        for op in order:
-            layer_order = members[op.stage] if op.kind is OpKind.F else reversed(members[op.stage])
-            expanded += [Op(layer, op.kind, op.microbatch) for layer in layer_order]
-        device_ops.append(expanded)
     placement = [group for group in range(groups) for _ in members[group]]
-    plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), placement, device_ops, num_devices=groups)
-    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=groups), example_inputs=tuple(inputs),
-                            example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
-                            costs=sizes, quiet=True)
-    return RuntimeProbe(pipe, sizes)
+
+    def compiled(order_of: str) -> Any:
+        device_ops = []
+        for order in schedules.device_orders(order_of, groups, num_microbatches):
+            expanded: list[Op] = []
+            for op in order:
+                layer_order = members[op.stage] if op.kind is OpKind.F else reversed(members[op.stage])
+                expanded += [Op(layer, op.kind, op.microbatch) for layer in layer_order]
+            device_ops.append(expanded)
+        plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), placement, device_ops, num_devices=groups)
+        return octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=groups), example_inputs=tuple(inputs),
+                                example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
+                                costs=sizes, quiet=True)
+
+    return RuntimeProbe(compiled(schedule), sizes, compiled("1f1b") if fused else None)
 
 
 def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
@@ -349,9 +363,9 @@ def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: 
 def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
                     num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
                     schedule: str = "zb-h1", timeout_s: float = 600.0) -> RuntimeProfile:
-    """Per-layer F, B and W times and the per-message host time measured by the runtime itself,
-    inside a real pipelined step (the pipeline of `runtime_probe`, run alone for `warmup + steps`
-    steps).
+    """Per-layer F, B, W and full-backward times and the per-message host time measured by the
+    runtime itself, inside real pipelined steps (the pipelines of `runtime_probe`, run alone for
+    `warmup + steps` steps each, alternating).
 
     Every op is thus timed on the code path and under the conditions of a pipeline step: stage
     modules, split linears, several microbatches' activations alive, the other processes running
@@ -359,10 +373,11 @@ def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any
     shared caches and memory bandwidth differently than two forwards side by side), and the gloo
     threads; waiting for a message is not counted (see `Engine.timeline`). Each layer's time is
     the mean over microbatches and steps (not the median: the first microbatches of a step run
-    slower, and a step's time is the sum of all of them). This is the CPU profile the demo and the
-    benchmarks use: on this machine the layer-in-a-loop profile of `profile_costs` runs 1.3-1.5x
-    faster than the same layers inside a step, and a one-rank loop of every layer about 1.25x
-    faster in the forward."""
+    slower, and a step's time is the sum of all of them). A full backward measures 0-7% below the
+    same layer's B plus deferred W on this machine, so both are kept. This is the CPU profile the
+    demo and the benchmarks use: on this machine the layer-in-a-loop profile of `profile_costs`
+    runs 1.3-1.5x faster than the same layers inside a step, and a one-rank loop of every layer
+    about 1.25x faster in the forward."""
     probe = runtime_probe(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, schedule=schedule)
-    _, durations = _measure([probe.pipe], [True], inputs, target, steps, warmup, 0.0, timeout_s)
-    return probe.profile([run[0] for run in durations], op_overhead_ms)
+    _, durations = _measure(probe.pipes, [True] * len(probe.pipes), inputs, target, steps, warmup, 0.0, timeout_s)
+    return probe.profile([run for rank in durations for run in rank], op_overhead_ms)

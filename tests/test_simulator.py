@@ -188,3 +188,14 @@ def test_cross_device_messages_pay_their_posting_overhead():
 def test_message_overhead_is_validated():
     with pytest.raises(ClusterSpecError, match="message_overhead_ms"):
         ClusterSpec(num_devices=2, message_overhead_ms=-1.0)
+
+
+def test_a_full_backward_costs_the_measured_full_backward_and_a_split_one_b_plus_w():
+    from octopipe.ir.plan import B, F, W
+
+    table = CostTable((LayerCost("a", forward_ms=1.0, backward_ms=3.0, backward_weight_ms=1.0, backward_full_ms=2.5),))
+    cluster = ClusterSpec(num_devices=1)
+    fused = PipelinePlan.build(2, [0, 1], [0], [[F(0, 0), B(0, 0), F(0, 1), B(0, 1)]])
+    split = PipelinePlan.build(2, [0, 1], [0], [[F(0, 0), B(0, 0), F(0, 1), B(0, 1), W(0, 0), W(0, 1)]])
+    assert simulate(fused, table, cluster).iteration_ms == pytest.approx(2 * (1.0 + 2.5))
+    assert simulate(split, table, cluster).iteration_ms == pytest.approx(2 * (1.0 + 2.0 + 1.0))

@@ -3,7 +3,8 @@
 Consumes a file (JSON/YAML, the keys below) or the analytic/profiling passes' output; produces the
 per-layer times and bytes every search component reads. Times are milliseconds per microbatch:
 `forward_ms` (F), `backward_ms` (input plus weight gradient, B+W), `backward_weight_ms` (the W
-part; when absent the table's `weight_fraction` of `backward_ms` is assumed). Bytes are per
+part; when absent the table's `weight_fraction` of `backward_ms` is assumed), and optionally
+`backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart). Bytes are per
 microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the next stage, and
 `param_bytes` of the layer's parameters (in the training dtype). A missing byte count is `None`
 and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
@@ -29,6 +30,7 @@ DEFAULT_WEIGHT_FRACTION = 0.5
 cost the same (the zero-bubble papers' F = B = W assumption for transformer blocks)."""
 
 _TIME_FIELDS = ("forward_ms", "backward_ms")
+_OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms")
 _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
 
 
@@ -44,6 +46,10 @@ class LayerCost:
     param_bytes: int | None = None
     formulas: tuple[tuple[str, str], ...] = ()
     """(name, sympy expression text) pairs, e.g. ("forward_flops", "24*b*s*h**2")."""
+    backward_full_ms: float | None = None
+    """B and W run as one op (a full backward, as 1F1B runs it) where measured apart from
+    `backward_ms`, the two run separately (W deferred, its inputs no longer in cache); absent:
+    `backward_ms`."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -55,7 +61,7 @@ class LayerCost:
         return [
             ("name", self.name), ("kind", self.kind), ("forward_ms", self.forward_ms),
             ("backward_ms", self.backward_ms), ("backward_weight_ms", self.backward_weight_ms),
-            ("activation_bytes", self.activation_bytes), ("output_bytes", self.output_bytes),
+            ("backward_full_ms", self.backward_full_ms), ("activation_bytes", self.activation_bytes), ("output_bytes", self.output_bytes),
             ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
         ]
 
@@ -63,7 +69,8 @@ class LayerCost:
         return "layer " + format_fields(self._fields())
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {key: value for key, value in self._fields()[:8] if value is not None}
+        data: dict[str, Any] = {key: value for key, value in self._fields()
+                                if value is not None and not key.startswith("f.")}
         if self.formulas:
             data["formulas"] = dict(self.formulas)
         return data
@@ -118,7 +125,9 @@ class CostTable:
 
     @property
     def backward_full(self) -> tuple[float, ...]:
-        return self._array("backward_full", (layer.backward_ms for layer in self.layers))
+        """Time of each layer's full backward (B and W in one op), ms."""
+        return self._array("backward_full", (layer.backward_ms if layer.backward_full_ms is None else layer.backward_full_ms
+                                             for layer in self.layers))
 
     @property
     def activation(self) -> tuple[float, ...]:
@@ -195,6 +204,7 @@ class CostTable:
                 forward_ms=reader.float("forward_ms"),
                 backward_ms=reader.float("backward_ms"),
                 backward_weight_ms=reader.optional_float("backward_weight_ms"),
+                backward_full_ms=reader.optional_float("backward_full_ms"),
                 activation_bytes=reader.optional_int("activation_bytes"),
                 output_bytes=reader.optional_int("output_bytes"),
                 param_bytes=reader.optional_int("param_bytes"),
@@ -295,7 +305,7 @@ def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
         if key not in raw:
             raise CostTableError(f"{where}: missing field {key!r} (milliseconds per microbatch)")
         values[key] = raw[key]
-    for key in ("backward_weight_ms", *_BYTE_FIELDS):
+    for key in (*_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS):
         if raw.get(key) is not None:
             values[key] = raw[key]
     kind = raw.get("kind", "block")
@@ -313,9 +323,9 @@ def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
 
 
 def _check_layer(layer: LayerCost, where: str) -> None:
-    for key in (*_TIME_FIELDS, "backward_weight_ms"):
+    for key in (*_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS):
         value = getattr(layer, key)
-        if value is None and key == "backward_weight_ms":
+        if value is None and key in _OPTIONAL_TIME_FIELDS:
             continue
         if not _is_number(value) or value < 0:
             raise CostTableError(f"{where}: field {key!r} must be a non-negative number of milliseconds, got {value!r}")

@@ -84,6 +84,7 @@ def tables(draw):
                 output_bytes=draw(byte_counts),
                 param_bytes=draw(byte_counts),
                 formulas=tuple(formulas.items()),
+                backward_full_ms=draw(st.none() | times),
             )
         )
     model = draw(st.just("") | names)
@@ -178,3 +179,14 @@ def test_constructor_checks_layers():
         CostTable(())
     with pytest.raises(CostTableError, match=r"layer 0 \('a'\): field 'backward_ms'"):
         CostTable((LayerCost("a", forward_ms=1.0, backward_ms=math.nan),))
+
+
+def test_a_measured_full_backward_replaces_b_plus_w_only_for_ops_that_run_them_together():
+    table = CostTable((LayerCost("a", forward_ms=1.0, backward_ms=2.0, backward_weight_ms=0.8, backward_full_ms=1.7),
+                       LayerCost("b", forward_ms=1.0, backward_ms=2.0, backward_weight_ms=0.8)))
+    assert table.backward_full == (1.7, 2.0)
+    assert table.backward_input == (1.2, 1.2) and table.weight == (0.8, 0.8)
+    assert CostTable.parse(str(table)) == table
+    assert CostTable.from_dict(table.to_dict()) == table
+    with pytest.raises(CostTableError, match=r"layer 0 \('l0'\): field 'backward_full_ms' must be a non-negative"):
+        CostTable.from_dict({"layers": [{**GOOD, "backward_full_ms": -1.0}]})

@@ -52,6 +52,9 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     assert profile.calibrate(cluster).message_overhead_ms == profile.message_overhead_ms
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
+    # the fused probe (1F1B order) times each layer's full backward too
+    assert len(probe.pipes) == 2 and not probe.fused.plan.split_backward()
+    assert all(layer.backward_full_ms is not None and layer.backward_full_ms > 0 for layer in costs)
     assert [layer.activation_bytes for layer in costs] == [layer.activation_bytes for layer in probe.sizes]
 
 
