@@ -56,7 +56,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES,
                               op_overhead_ms=cluster.op_overhead_ms)
     costs, cluster = profile.costs, profile.calibrate(cluster)
-    say(f"profiled {len(costs)} layers in the runtime under load: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
+    say(f"profiled {len(costs)} layers inside pipelined steps: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")
 
     # as Megatron users run: no device may hold more activations than 1F1B's busiest device
@@ -85,7 +85,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
         rows.append(("1f1b/uniform (Megatron default)", baseline("1f1b/uniform")))
     # the profiling pipeline runs in the same rotation: "predicted" uses the costs of these very
     # minutes (this machine's speed drifts between launches); "planned" is the planning profile's
-    say(f"\ntraining {steps} steps of each plan (interleaved with each other and with the profiling pipeline, "
+    say(f"\ntraining {steps} steps of each plan (interleaved with each other and with the profiling pipelines, "
         "after one warm-up step) ...")
     probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
     timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
