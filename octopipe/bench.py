@@ -1,5 +1,7 @@
 """Measured runs for the demo and the benchmarks: train a compiled pipeline for a few steps on
-local processes and time each step; calibrate the local gloo "cluster".
+local processes and time each step; calibrate the local gloo "cluster"; profile the layers the
+way the runtime runs them (`runtime_profile`: inside pipelined steps, also within the rotation
+of measured plans, `measure_with_profile`).
 
 Consumes a `Pipeline` (octopipe.compile) and a batch; produces per-step wall times measured on
 rank 0 between barriers (median reported), beside the simulator's prediction for the same plan.
