@@ -436,8 +436,9 @@ def balanced_boundaries(weights: Sequence[float], num_parts: int) -> tuple[int, 
         return parts
 
     candidates = sorted({prefix[b] - prefix[a] for a in range(size) for b in range(a + 1, size + 1)})
-    # the answer is a part's weight, and no part is lighter than the heaviest layer
-    lo, hi = bisect.bisect_left(candidates, max(weights)), len(candidates) - 1
+    # the answer is a part's weight, and no part is lighter than the heaviest layer (a prefix
+    # difference can round a layer's weight down by an ulp: compare with the same tolerance)
+    lo, hi = bisect.bisect_left(candidates, max(weights) - scale), len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
         if parts_needed(candidates[mid]) <= num_parts:

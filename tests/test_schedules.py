@@ -255,6 +255,13 @@ def test_balanced_boundaries_is_the_exact_min_max_split(weights, data):
     assert heaviest(bounds[1:-1]) == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
+def test_balanced_boundaries_finds_the_min_max_when_a_prefix_difference_rounds_a_layer_down():
+    # found by the property test above: prefix[4] - prefix[3] is 3e-14 below the layer's weight,
+    # which once excluded the optimal cap (99.06) and gave a 100.06 part
+    weights = [2.0, 56.7372705212961, 98.77731972414219, 99.05758900143465, 1.0]
+    assert balanced_boundaries(weights, 4) == (0, 2, 3, 4, 5)
+
+
 def test_balanced_moves_layers_off_a_heavy_head():
     weights = [1.0] * 7 + [5.0]
     assert balanced_boundaries(weights, 2) == (0, 6, 8)  # 6 | 1+5: the head stage takes one layer
