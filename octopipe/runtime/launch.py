@@ -147,14 +147,19 @@ def launch(
                 if grace_deadline is None:  # peers of a failed rank usually fail soon after; collect them briefly
                     grace_deadline = time.monotonic() + 5.0
     finally:
-        stuck = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        # only ranks that never reported are asked for their stacks: a rank that reported is
+        # exiting, and faulthandler dumping a thread state the interpreter is tearing down
+        # crashes the process ("Fatal Python error: Segmentation fault" in its stderr)
+        stuck = [rank for rank, process in enumerate(processes)
+                 if rank not in values and rank not in failures and process.is_alive()]
         for rank in stuck:
             try:
                 os.kill(processes[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
             except OSError:
                 pass
-        if stuck:
-            time.sleep(0.5)
+        exiting_until = time.monotonic() + (0.5 if stuck else 5.0)
+        for process in processes:  # let reported ranks finish exiting (and stuck ones write their stacks)
+            process.join(max(0.0, exiting_until - time.monotonic()))
         for process in processes:
             if process.is_alive():
                 process.kill()
