@@ -93,3 +93,24 @@ def _sum_of_ranks(rank, world_size):
 @pytest.mark.timeout(120)
 def test_launch_returns_values_by_rank():
     assert launch(_sum_of_ranks, 3, timeout_s=60) == [(r, 3, 3.0, 1, str(r)) for r in range(3)]
+
+
+def _returns_then_lingers(rank, world_size, marker):
+    import threading
+
+    def finish_later():
+        time.sleep(1.0)
+        with open(f"{marker}.{rank}", "w") as handle:
+            handle.write("exited normally")
+
+    threading.Thread(target=finish_later).start()  # not a daemon: the process exits after it
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_reported_are_let_finish_exiting_not_signalled_or_killed(tmp_path):
+    marker = str(tmp_path / "done")
+    assert launch(_returns_then_lingers, 2, (marker,), timeout_s=60) == [0, 1]
+    # each rank was still alive after reporting; launch waited for it instead of asking it for
+    # stacks (SIGUSR1) and killing it half a second later
+    assert all(os.path.exists(f"{marker}.{rank}") for rank in range(2))
