@@ -14,7 +14,7 @@ Prints each error and the mean and max absolute error (target: mean <= 5%, max <
 relative error: each plan's measured time over the model's 1F1B run divided by the same ratio
 predicted.
 
-    python benchmarks/fidelity.py [--models ...] [--steps 4]
+    python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
 
 import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
-from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe, runtime_profile  # noqa: E402
+from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
 
@@ -54,8 +54,8 @@ def main() -> None:
     earlier_errors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
-        profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
-                                  op_overhead_ms=calibrated.op_overhead_ms)
+        probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
+        profile = probe.run(inputs, target, op_overhead_ms=calibrated.op_overhead_ms)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
         plans = {}
         for schedule in SCHEDULES:
@@ -65,7 +65,6 @@ def main() -> None:
                                           quiet=True).plan
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                   num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan) for plan in plans.values()]
-        probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
         timings, now = measure_with_profile(pipes, probe, inputs, target, steps=args.steps, warmup=1,
                                             op_overhead_ms=cluster.op_overhead_ms)
         predictions = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)).iteration_ms for plan in plans.values()]

@@ -84,8 +84,6 @@ def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, st
                  learning_rate: float = 0.0, timeout_s: float = 600.0) -> list[StepTiming]:
     """Like `measure_steps` for several pipelines of the same world size in one launch, their
     steps interleaved (A B A B ...): the fair way to compare them on a noisy machine."""
-    from octopipe.runtime import launch
-
     return _measure(pipes, (), inputs, target, steps, warmup, learning_rate, timeout_s)[0]
 
 
@@ -141,58 +139,12 @@ def _clear_grads(engine: Any) -> None:
         parameter.grad = None
 
 
-def _timed_instructions(engine: Any, inputs: tuple, target: Any, steps: int, warmup: int) -> list[tuple[Any, float]]:
-    """(instruction, ms) of every instruction of `steps` steps after `warmup` unrecorded ones."""
-    timed: list[tuple[Any, float]] = []
-    for step in range(warmup + steps):
-        engine.timeline = [] if step >= warmup else None
-        engine.step(inputs, target)
-        _clear_grads(engine)
-        timed += [(instruction, (end - start) * 1e3) for instruction, start, end in engine.timeline or ()]
-    engine.timeline = None
-    return timed
-
-
-def _posting_worker(rank: int, world_size: int, pipe: Any, inputs: tuple, target: Any, steps: int) -> list[float]:
-    timed = _timed_instructions(pipe.engine(rank), inputs, target, steps, warmup=1)
-    return [ms for instruction, ms in timed if instruction.is_send or instruction.is_recv]
-
-
-def measure_message_overhead_ms(size: int = 256 * 2**10, num_layers: int = 8, num_microbatches: int = 8,
-                                steps: int = 3) -> float:
-    """Host milliseconds a rank's thread spends on one send or receive instruction of about
-    `size` bytes inside a real step: a model of `num_layers` linear layers as one stage per layer,
-    stages alternating between 2 processes, run by the runtime with its timeline on; the mean
-    over every send and receive of both ranks. (Posting alone, in a loop, costs several times
-    less: in a step, gloo copies a message that already arrived, or writes one out, on the
-    posting thread.)"""
-    import octopipe
-    from octopipe.ir.plan import B, F, PipelinePlan, W
-    from octopipe.runtime import launch
-
-    width = 256
-    rows = max(1, size // (width * 4))
-    torch.manual_seed(0)
-    model = _TinyLayers(num_layers, width)
-    x = torch.randn(num_microbatches * rows, width)
-    y = torch.randn(num_microbatches * rows, width)
-    stages = num_layers + 1  # the blocks and the loss
-    placement = [s % 2 for s in range(stages)]
-    order = [F(s, m) for m in range(num_microbatches) for s in range(stages)]
-    order += [op for m in range(num_microbatches) for s in reversed(range(stages)) for op in (B(s, m), W(s, m))]
-    device_ops = [[op for op in order if placement[op.stage] == d] for d in range(2)]
-    plan = PipelinePlan.build(num_microbatches, list(range(stages + 1)), placement, device_ops, num_devices=2)
-    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=2), example_inputs=(x,), example_target=y,
-                            loss_fn=_mse, num_microbatches=num_microbatches, plan=plan, costs=_zero_costs(stages))
-    posts = [value for rank_posts in launch(_posting_worker, 2, args=(pipe, (x,), y, steps)) for value in rank_posts]
-    return statistics.fmean(posts)
-
-
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     """The local gloo 'cluster' with latency and bandwidth measured by a ping-pong between two
-    processes (one small and one 4 MB message), the host time of posting a message, and the
-    runtime's per-op overhead measured by running a model of tiny layers as 1 stage and as one
-    stage per layer on one process."""
+    processes (one small and one 4 MB message) and the runtime's per-op overhead measured by
+    running a model of tiny layers as 1 stage and as one stage per layer on one process. The host
+    time of a message depends on the model's activation sizes: `RuntimeProfile.calibrate` sets it
+    from the profiled steps."""
     from octopipe.runtime import launch
 
     small, large = 4, 4 * 2**20
@@ -202,7 +154,6 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
                    inter_node_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
-                   message_overhead_ms=measure_message_overhead_ms(),
                    name=f"cpux{num_devices}-measured")
 
 
@@ -289,6 +240,12 @@ class RuntimeProbe:
     def pipes(self) -> tuple[Any, ...]:
         return (self.pipe,) if self.fused is None else (self.pipe, self.fused)
 
+    def run(self, inputs: Sequence[Any], target: Any, *, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
+            timeout_s: float = 600.0) -> RuntimeProfile:
+        """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile."""
+        _, durations = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0, timeout_s)
+        return self.profile([run for rank in durations for run in rank], op_overhead_ms)
+
     def profile(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0
                 ) -> RuntimeProfile:
         """The profile from the instructions' durations (ms) each rank recorded running `pipes`
@@ -354,20 +311,13 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
     return RuntimeProbe(compiled(schedule), sizes, compiled("1f1b") if fused else None)
 
 
-def profile_in_runtime(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
-                       num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
-                       schedule: str = "zb-h1", timeout_s: float = 600.0) -> Any:
-    """The cost table of `runtime_profile` (same arguments)."""
-    return runtime_profile(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, steps=steps,
-                           warmup=warmup, op_overhead_ms=op_overhead_ms, schedule=schedule, timeout_s=timeout_s).costs
-
-
 def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
                     num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
                     schedule: str = "zb-h1", timeout_s: float = 600.0) -> RuntimeProfile:
     """Per-layer F, B, W and full-backward times and the per-message host time measured by the
-    runtime itself, inside real pipelined steps (the pipelines of `runtime_probe`, run alone for
-    `warmup + steps` steps each, alternating).
+    runtime itself, inside real pipelined steps (`runtime_probe(...).run(...)`: its pipelines run
+    alone for `warmup + steps` steps each, alternating; build the probe yourself to run it again
+    later beside measured plans, `measure_with_profile`).
 
     Every op is thus timed on the code path and under the conditions of a pipeline step: stage
     modules, split linears, several microbatches' activations alive, the other processes running
@@ -381,5 +331,4 @@ def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any
     runs 1.3-1.5x faster than the same layers inside a step, and a one-rank loop of every layer
     about 1.25x faster in the forward."""
     probe = runtime_probe(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, schedule=schedule)
-    _, durations = _measure(probe.pipes, [True] * len(probe.pipes), inputs, target, steps, warmup, 0.0, timeout_s)
-    return probe.profile([run for rank in durations for run in rank], op_overhead_ms)
+    return probe.run(inputs, target, steps=steps, warmup=warmup, op_overhead_ms=op_overhead_ms, timeout_s=timeout_s)

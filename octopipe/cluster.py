@@ -42,7 +42,7 @@ class ClusterSpec:
     """Host time the runtime spends on a device to post one send or one receive to another
     device (the transfer itself then runs beside compute). Zero on GPUs (the copy engine does
     the work); on CPU, gloo's posting takes a fraction of a millisecond of the rank's own thread,
-    which `octopipe.bench.calibrate_cpu_cluster` measures."""
+    which `octopipe.bench.runtime_profile` measures inside real steps (`RuntimeProfile.calibrate`)."""
     backend: str = "nccl"
     name: str = "custom"
 

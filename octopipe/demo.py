@@ -33,7 +33,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
              say=print) -> dict:
     import octopipe
     from octopipe import models, schedules
-    from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe, runtime_profile
+    from octopipe.bench import calibrate_cpu_cluster, measure_with_profile, runtime_probe
     from octopipe.viz import draw_comparison
 
     started = time.perf_counter()
@@ -53,8 +53,9 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
 
     cluster = calibrate_cpu_cluster(NUM_DEVICES)
     say(f"link: {cluster.latency_s * 1e6:.0f} us latency, {cluster.intra_node_bandwidth / 1e9:.2f} GB/s (measured)")
-    profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES,
-                              op_overhead_ms=cluster.op_overhead_ms)
+    # the profiling pipelines run now, for the plan, and again beside the measured plans below
+    probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
+    profile = probe.run(inputs, target, op_overhead_ms=cluster.op_overhead_ms)
     costs, cluster = profile.costs, profile.calibrate(cluster)
     say(f"profiled {len(costs)} layers inside pipelined steps: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")
@@ -87,7 +88,6 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     # minutes (this machine's speed drifts between launches); "planned" is the planning profile's
     say(f"\ntraining {steps} steps of each plan (interleaved with each other and with the profiling pipelines, "
         "after one warm-up step) ...")
-    probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
     timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
                                         op_overhead_ms=cluster.op_overhead_ms)
     predictions = [octopipe.simulate(pipe.plan, now.costs, now.calibrate(cluster)).iteration_ms for _, pipe in rows]
@@ -99,7 +99,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
             f"{error:>+7.1%}   {losses}")
     ours, timing_ours = rows[0][1], timings[0]
     theirs, timing_theirs = rows[1][1], timings[1]
-    for (name, pipe), timing, predicted in list(zip(rows, timings, predictions))[1:]:
+    for (name, _), timing, predicted in list(zip(rows, timings, predictions))[1:]:
         say(f"speedup over {name}: measured {timing.median_ms / timing_ours.median_ms:.3f}x, predicted "
             f"{predicted / predictions[0]:.3f}x")
     measured = timing_theirs.median_ms / timing_ours.median_ms

@@ -118,13 +118,14 @@ def test_receives_are_posted_as_early_as_the_pair_order_allows_on_gloo_and_one_c
     assert same.programs == nccl.programs
     early, late = _receive_positions(gloo), _receive_positions(nccl)
     assert early.keys() == late.keys()
+    def computes_before(pipe, rank, position):
+        return sum(i.is_compute for i in pipe.programs[rank].instructions[:position])
+
     # each rank's program has the same instructions, every receive posted no later than before
     moved = 0
-    for key, position in early.items():
-        rank = key[0]
-        computes_before = lambda pipe, p: sum(i.is_compute for i in pipe.programs[rank].instructions[:p])
-        assert computes_before(gloo, position) <= computes_before(nccl, late[key])
-        moved += computes_before(gloo, position) < computes_before(nccl, late[key])
+    for (rank, text), position in early.items():
+        assert computes_before(gloo, rank, position) <= computes_before(nccl, rank, late[(rank, text)])
+        moved += computes_before(gloo, rank, position) < computes_before(nccl, rank, late[(rank, text)])
     assert moved > 0
     with pytest.raises(PlanError, match="receive_ahead must be a non-negative integer"):
         octopipe.compile(model, CLUSTER, receive_ahead=-1, **common)

@@ -4,10 +4,10 @@ Consumes a file (JSON/YAML, the keys below) or the analytic/profiling passes' ou
 per-layer times and bytes every search component reads. Times are milliseconds per microbatch:
 `forward_ms` (F), `backward_ms` (input plus weight gradient, B+W), `backward_weight_ms` (the W
 part; when absent the table's `weight_fraction` of `backward_ms` is assumed), and optionally
-`backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart). Bytes are per
-microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the next stage, and
-`param_bytes` of the layer's parameters (in the training dtype). A missing byte count is `None`
-and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
+`backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart).
+Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the
+next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
+count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
 sequence symbol `s` where the costs came from analysis.
 """
 
@@ -61,8 +61,8 @@ class LayerCost:
         return [
             ("name", self.name), ("kind", self.kind), ("forward_ms", self.forward_ms),
             ("backward_ms", self.backward_ms), ("backward_weight_ms", self.backward_weight_ms),
-            ("backward_full_ms", self.backward_full_ms), ("activation_bytes", self.activation_bytes), ("output_bytes", self.output_bytes),
-            ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
+            ("backward_full_ms", self.backward_full_ms), ("activation_bytes", self.activation_bytes),
+            ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
         ]
 
     def __str__(self) -> str:
@@ -126,8 +126,8 @@ class CostTable:
     @property
     def backward_full(self) -> tuple[float, ...]:
         """Time of each layer's full backward (B and W in one op), ms."""
-        return self._array("backward_full", (layer.backward_ms if layer.backward_full_ms is None else layer.backward_full_ms
-                                             for layer in self.layers))
+        return self._array("backward_full", (layer.backward_ms if layer.backward_full_ms is None
+                                             else layer.backward_full_ms for layer in self.layers))
 
     @property
     def activation(self) -> tuple[float, ...]:

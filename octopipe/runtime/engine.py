@@ -336,7 +336,8 @@ class Engine:
                         raise ExecutionError(f"rank {self.rank}: {self._where(i)}: activations from stage {a} were never "
                                              "received (no recv_act before this forward)")
                     received[a] = self.transport.wait(pending, self._lazy_where(i))
-                    self._inputs_ready = time.perf_counter()
+                    if self.timeline is not None:
+                        self._inputs_ready = time.perf_counter()
                 position = self._recv_layout[(a, index)].index(len(args))
                 value = received[a][position]
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
@@ -372,7 +373,8 @@ class Engine:
                 for j, grad in zip(layout, self.transport.wait(pending, self._lazy_where(i))):
                     current = slot.output_grads[j]
                     slot.output_grads[j] = grad if current is None else current + grad
-                self._inputs_ready = time.perf_counter()
+                if self.timeline is not None:
+                    self._inputs_ready = time.perf_counter()
             for j, spec in enumerate(stage.outputs):
                 grad = slot.output_grads[j]
                 if spec.requires_grad and grad is not None and slot.outputs[j].requires_grad:

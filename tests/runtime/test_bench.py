@@ -4,18 +4,20 @@ import pytest
 import torch
 
 from octopipe import models
-from octopipe.bench import measure_message_overhead_ms, profile_in_runtime
+from octopipe.bench import runtime_profile
 from octopipe.runtime.host_memory import keep_freed_host_memory
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_profile_in_runtime_times_every_layer_the_runtime_way():
+def test_runtime_profile_times_every_layer_and_a_message_the_runtime_way():
     torch.manual_seed(0)
     model = models.build("llama", "tiny")
     inputs = models.example_inputs("llama", "tiny", batch_size=4)
     target = models.example_target("llama", "tiny", batch_size=4)
-    costs = profile_in_runtime(model, inputs, target, models.lm_loss, 2, num_procs=2, steps=2, warmup=1)
+    profile = runtime_profile(model, inputs, target, models.lm_loss, 2, num_procs=2, steps=2, warmup=1)
+    assert 0 < profile.message_overhead_ms < 50  # a small positive host cost per send or receive
+    costs = profile.costs
     graph_layers = len(list(costs))
     assert graph_layers >= 4
     for layer in costs:
@@ -82,11 +84,6 @@ def test_timeline_does_not_count_waiting_for_a_message_as_compute():
     posted = next(start for kind, _, start, _ in first if kind == "send_act")
     forward = next(start for kind, _, start, _ in second if kind == "forward")
     assert forward >= posted
-
-
-def test_message_overhead_is_a_small_positive_host_cost():
-    value = measure_message_overhead_ms(num_layers=4, num_microbatches=2, steps=1)
-    assert 0 < value < 50
 
 
 def test_host_memory_policy_applies_once_and_can_be_turned_off(monkeypatch):
