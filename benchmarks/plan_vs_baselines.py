@@ -21,7 +21,7 @@ then the geometric-mean speedups against the issue's targets, and a table of pla
 devices and microbatches grow. Usage:
 
     python benchmarks/plan_vs_baselines.py [--time-limit 60] [--models deepseek-16B,gpt-13B]
-        [--devices 4,8,16] [--factors 2,4] [--no-analytic] [--no-growth]
+        [--devices 4,8,16] [--factors 2,4] [--no-analytic] [--analytic-models gemma,llama] [--no-growth]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,16 +87,17 @@ class Case:
         return self.best_ms / self.lower_ms
 
 
-def analytic_tables(cluster: ClusterSpec) -> dict[str, CostTable]:
-    """The reference models' paper configs, traced on the meta device and priced analytically
-    (one sequence of the config's maximum length per microbatch); empty if the pass is missing."""
+def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None) -> dict[str, CostTable]:
+    """The reference models' paper configs (all, or `families`), traced on the meta device and
+    priced analytically (one sequence of the config's maximum length per microbatch); empty if the
+    pass is missing."""
     try:
         from octopipe import models
         from octopipe.passes.costs import analytic_costs, paper_graph
     except ImportError:
         return {}
     tables = {}
-    for family in models.MODEL_NAMES:
+    for family in families if families is not None else models.MODEL_NAMES:
         try:
             config = models.config(family, "paper")
             graph = paper_graph(family)
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="4,8,16")
     parser.add_argument("--factors", default="2,4", help="microbatches per device")
     parser.add_argument("--no-analytic", action="store_true", help="skip the reference models' analytic costs")
+    parser.add_argument("--analytic-models", default=None,
+                        help="reference models to price analytically, comma-separated (default: all)")
     parser.add_argument("--no-growth", action="store_true", help="skip the planning-time growth table")
     args = parser.parse_args(argv)
     device_counts = [int(x) for x in args.devices.split(",")]
@@ -220,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     tables: dict[str, CostTable] = {name: load_profile(name) for name in args.models.split(",") if name}
     if not args.no_analytic:
-        tables.update(analytic_tables(ClusterSpec.preset("h100x16")))
+        families = args.analytic_models.split(",") if args.analytic_models else None
+        tables.update(analytic_tables(ClusterSpec.preset("h100x16"), families))
     print(f"OctoPipe plan vs baselines: activation limit = the 1F1B baselines' busiest device; "
           f"H100 nodes of 8 (NVLink, InfiniBand between nodes); time limit {args.time_limit:.0f}s per case")
     print(HEADER)

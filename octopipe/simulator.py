@@ -12,6 +12,13 @@ Every compute op also pays the cluster's `op_overhead_ms` (host-side runtime cos
 `message_overhead_ms` for each message it receives from or sends to another device (the host
 time of posting it; the transfer itself overlaps compute).
 
+Tied parameters (`CostTable.tied`) whose layers sit on two or more devices: their gradient is
+summed by an all-reduce among those devices that starts once each has run its last B/W (where
+the runtime issues `reduce_tied`) and ends the iteration if it is the last thing running; a ring
+all-reduce of k devices takes 2(k-1) x (latency + bytes / k / bandwidth) over the slowest link
+among them, plus one message's host overhead. A device takes part in its tied all-reduces one after
+another, in table order. On one device a tied parameter is held (and counted in memory) once.
+
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
@@ -103,6 +110,16 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Reduction:
+    """The all-reduce of a tied parameter's gradient among the devices holding its layers."""
+
+    name: str
+    devices: tuple[int, ...]
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     plan: PipelinePlan
     cluster: ClusterSpec
@@ -110,6 +127,8 @@ class SimResult:
     transfers: tuple[Transfer, ...]
     static_memory_bytes: tuple[float, ...]
     peak_activation_bytes: tuple[float, ...]
+    reductions: tuple[Reduction, ...]
+    """Tied-parameter all-reduces, in the order they run (empty when no tied parameter spans devices)."""
     _starts: list[float] = field(repr=False)
     _ends: list[float] = field(repr=False)
     _pred: list[int] = field(repr=False)
@@ -220,6 +239,12 @@ class SimResult:
                 "ph": "X", "pid": transfer.src, "tid": 1, "name": f"{transfer.kind} {transfer.op}->{transfer.dst}",
                 "cat": "comm", "ts": transfer.start_ms * 1e3, "dur": (transfer.end_ms - transfer.start_ms) * 1e3,
             })
+        for reduction in self.reductions:
+            for device in reduction.devices:
+                events.append({
+                    "ph": "X", "pid": device, "tid": 1, "name": f"all-reduce {reduction.name} {list(reduction.devices)}",
+                    "cat": "comm", "ts": reduction.start_ms * 1e3, "dur": (reduction.end_ms - reduction.start_ms) * 1e3,
+                })
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save_trace(self, path: str | Path) -> None:
@@ -237,6 +262,9 @@ class SimResult:
                 f"{device:>6} {self.device_busy_ms[device]:>10.3f} {warmup:>9.3f} {cooldown:>9.3f} {residual:>9.3f} "
                 f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
             )
+        for reduction in self.reductions:
+            lines.append(f"tied {reduction.name}: all-reduce on devices {list(reduction.devices)} "
+                         f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
         return "\n".join(lines)
 
 
@@ -283,6 +311,7 @@ def _run(
     link_free: dict[tuple[int, int], float] = {}
     transfers: list[Transfer] = []
     device_time = [0.0] * num_devices
+    gradients_done = [0.0] * num_devices  # end of each device's last B/W so far
     pointer = [0] * num_devices
     last_op = [-1] * num_devices
     activation = [0.0] * num_devices
@@ -368,6 +397,8 @@ def _run(
             done[key] = finish
             device_time[device] = finish
             last_op[device] = key
+            if kind is not OpKind.F:
+                gradients_done[device] = finish
             # memory: allocate at F start, free at B end (all or all but W's share) and at W end
             if kind is OpKind.F:
                 activation[device] += act_bytes[stage]
@@ -422,14 +453,51 @@ def _run(
     static = [0.0] * num_devices
     for stage in range(num_stages):
         static[stage_device[stage]] += sc.params[stage] * memory.state_bytes_per_param_byte
+    reductions = []
+    if costs.tied:
+        reduced_until = [0.0] * num_devices
+        for name, size, holders in _tied_holders(plan, costs):
+            for device, count in holders.items():  # the layers on one device share one copy
+                static[device] -= (count - 1) * size * memory.state_bytes_per_param_byte
+            if len(holders) < 2:
+                continue
+            devices = tuple(sorted(holders))
+            start = max(max(gradients_done[d], reduced_until[d]) for d in devices)
+            slowest = min(cluster.bandwidth(a, b) for a in devices for b in devices if a != b) / 1e3
+            steps = 2 * (len(devices) - 1)
+            end = start + steps * (latency_ms + size / len(devices) / slowest) + cluster.message_overhead_ms
+            for d in devices:
+                reduced_until[d] = end
+            iteration = max(iteration, end)
+            reductions.append(Reduction(name, devices, start, end))
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
 
     return SimResult(
         plan=plan, cluster=cluster, iteration_ms=iteration, transfers=tuple(transfers),
-        static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak),
+        static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak), reductions=tuple(reductions),
         _starts=starts, _ends=done, _pred=pred,  # type: ignore[arg-type]
     )
+
+
+def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float, dict[int, int]]]:
+    """Per tied parameter: (name, bytes, {device: how many of its layers that device holds})."""
+    key = ("tied_holders", id(costs))
+    cached = plan._cache.get(key)
+    if cached is None or cached[0] is not costs:
+        stage_of = [0] * plan.num_layers
+        for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
+            for layer in range(start, end):
+                stage_of[layer] = stage
+        holders = []
+        for tied in costs.tied:
+            counts: dict[int, int] = {}
+            for layer in tied.layers:
+                device = plan.placement[stage_of[layer]]
+                counts[device] = counts.get(device, 0) + 1
+            holders.append((tied.name, float(tied.bytes), counts))
+        cached = plan._cache[key] = (costs, holders)
+    return cached[1]
 
 
 def _split_flags(plan: PipelinePlan, per_kind: int) -> list[bool]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import octopipe
 from octopipe import ClusterSpec, CostTable, InfeasibleError, LayerCost, PipelinePlan
+from octopipe.ir import TiedParameter
 from octopipe.simulator import simulate
 
 GiB = 2**30
@@ -67,6 +68,21 @@ def test_plan_properties_on_random_heterogeneous_tables(seed, p, factor):
     result = octopipe.plan(costs, cluster, factor * p, activation_limit="1f1b", quiet=True, effort=0.02,
                            solver=seed % 2 == 0)
     check_result(result, costs, cluster)
+
+
+def test_a_costly_tied_all_reduce_keeps_the_tied_layers_inside_one_node():
+    # the last layer is the head, tied with layer 0; its all-reduce costs ~40 ms a step across
+    # the nodes (of 2 devices here), several times a layer's work, and ~4 ms inside one
+    costs = replace(heterogeneous(3, num_layers=10, params=2**20),
+                    tied=(TiedParameter("embed.weight", (0, 9), 2 * 10**9),), _derived={})
+    cluster = replace(ClusterSpec.preset("h100x16", num_devices=4), devices_per_node=2)
+    result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
+    check_result(result, costs, cluster)
+    for reduction in result.simulation.reductions:
+        assert len({cluster.node_of(d) for d in reduction.devices}) == 1, reduction
+        assert reduction.end_ms - reduction.start_ms < 5
+    split = [row for row in result.report.baselines if row.name == "1f1b/balanced"]
+    assert split and split[0].iteration_ms > result.report.iteration_ms + 40  # pays the all-reduce
 
 
 def test_plan_is_deterministic_for_a_seed():

@@ -6,6 +6,7 @@ import pytest
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.errors import ClusterSpecError
+from octopipe.ir import TiedParameter
 from octopipe.ir.plan import B, F, OpKind, W
 from octopipe.simulator import MemoryModel, iteration_time, simulate
 
@@ -199,3 +200,74 @@ def test_a_full_backward_costs_the_measured_full_backward_and_a_split_one_b_plus
     split = PipelinePlan.build(2, [0, 1], [0], [[F(0, 0), B(0, 0), F(0, 1), B(0, 1), W(0, 0), W(0, 1)]])
     assert simulate(fused, table, cluster).iteration_ms == pytest.approx(2 * (1.0 + 2.5))
     assert simulate(split, table, cluster).iteration_ms == pytest.approx(2 * (1.0 + 2.0 + 1.0))
+
+
+def tied_table(size, params=1000):
+    """4 layers, layers 0 and 3 share a parameter of `size` bytes (a tied embedding and head)."""
+    return CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, param_bytes=params) for i in range(4)],
+                     tied=(TiedParameter("embed.weight", (0, 3), size),))
+
+
+FOUR_ON_TWO = """plan devices=2 microbatches=1 stages=4
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device={d1}
+stage 2 layers=2:3 device={d2}
+stage 3 layers=3:4 device={d3}
+device 0: {ops0}
+device 1: {ops1}
+"""
+
+
+def test_tied_gradient_split_over_devices_is_all_reduced_after_the_last_backward():
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=1e-3, message_overhead_ms=0.0)
+    # 1F1B-like split, layers 0-1 on device 0 and 2-3 on device 1: the tied pair spans both
+    split = plan_of(FOUR_ON_TWO.format(d1=0, d2=1, d3=1, ops0="0F0 1F0 1B0 0B0", ops1="2F0 3F0 3B0 2B0"))
+    untied = table(4, params=1000)
+    before = simulate(split, untied, cluster)
+    result = simulate(split, tied_table(2_000_000), cluster)
+    # ring all-reduce of 2 devices: 2 steps of (1 ms latency + 1 MB at 1 GB/s = 1 ms)
+    (reduction,) = result.reductions
+    assert reduction.devices == (0, 1)
+    assert reduction.start_ms == pytest.approx(before.iteration_ms)  # device 0's last B ends the iteration
+    assert result.iteration_ms == pytest.approx(before.iteration_ms + 4.0)
+    assert iteration_time(split, tied_table(2_000_000), cluster)[0] == pytest.approx(result.iteration_ms)
+    assert result.static_memory_bytes == before.static_memory_bytes  # one copy on each device
+    assert "all-reduce embed.weight" in json.dumps(result.chrome_trace())
+    assert "tied embed.weight: all-reduce on devices [0, 1]" in str(result)
+
+
+def test_tied_layers_on_one_device_need_no_all_reduce_and_one_copy():
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=1e-3)
+    v_shape = plan_of(FOUR_ON_TWO.format(d1=1, d2=1, d3=0, ops0="0F0 3F0 3B0 0B0", ops1="1F0 2F0 2B0 1B0"))
+    result = simulate(v_shape, tied_table(2_000_000), cluster)
+    untied = simulate(v_shape, table(4, params=1000), cluster)
+    assert result.reductions == ()
+    assert result.iteration_ms == untied.iteration_ms
+    state = MemoryModel().state_bytes_per_param_byte
+    assert result.static_memory_bytes[0] == untied.static_memory_bytes[0] - 2_000_000 * state
+    assert result.static_memory_bytes[1] == untied.static_memory_bytes[1]
+
+
+def test_tied_all_reduces_run_in_table_order_over_the_slowest_link_among_their_devices():
+    cluster = ClusterSpec(num_devices=4, devices_per_node=2, intra_node_bandwidth=1e12, inter_node_bandwidth=1e9,
+                          latency_s=0.0)
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)],
+                      tied=(TiedParameter("a", (0, 3), 1_000_000), TiedParameter("b", (1, 2), 3_000_000)))
+    plan = PipelinePlan.parse("""plan devices=4 microbatches=1 stages=4
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+stage 2 layers=2:3 device=2
+stage 3 layers=3:4 device=3
+device 0: 0F0 0B0
+device 1: 1F0 1B0
+device 2: 2F0 2B0
+device 3: 3F0 3B0
+""")
+    result = simulate(plan, costs, cluster)
+    first, second = result.reductions
+    assert (first.name, first.devices, second.name, second.devices) == ("a", (0, 3), "b", (1, 2))
+    # each crosses the 1 GB/s link between the nodes: 2 steps of bytes/2 at 1 MB per ms
+    assert first.end_ms - first.start_ms == pytest.approx(1.0)
+    assert second.end_ms - second.start_ms == pytest.approx(3.0)
+    assert second.start_ms >= max(result.op_end[B(1, 0)], result.op_end[B(2, 0)])
+    assert result.iteration_ms == pytest.approx(max(first.end_ms, second.end_ms))

@@ -9,6 +9,12 @@ Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_byte
 next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
 sequence symbol `s` where the costs came from analysis.
+
+`tied` lists the parameters several layers share (a tied embedding and head): each layer's
+`param_bytes` includes it, and a plan that puts its layers on different devices all-reduces its
+gradient once per iteration (the simulator charges that; on one device it is held once). Text
+form: `tied name=... layers=0,9 bytes=...` lines after the layers; files: a `tied` list of
+objects with those keys.
 """
 
 from __future__ import annotations
@@ -77,10 +83,30 @@ class LayerCost:
 
 
 @dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """A parameter several layers read (a tied embedding and head)."""
+
+    name: str
+    layers: tuple[int, ...]
+    """Indices of the layers that read it (two or more, ascending)."""
+    bytes: int
+    """Its size in the training dtype: the gradient all-reduced when its layers sit on different devices."""
+
+    def __str__(self) -> str:
+        return "tied " + format_fields([("name", self.name), ("layers", ",".join(map(str, self.layers))),
+                                        ("bytes", self.bytes)])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layers": list(self.layers), "bytes": self.bytes}
+
+
+@dataclass(frozen=True, slots=True)
 class CostTable:
     layers: tuple[LayerCost, ...]
     model: str = ""
     weight_fraction: float = DEFAULT_WEIGHT_FRACTION
+    tied: tuple[TiedParameter, ...] = ()
+    """Parameters shared by several layers (see the module docstring)."""
     _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +117,9 @@ class CostTable:
             _check_layer(layer, f"cost table {self.model!r}: layer {index} ({layer.name!r})")
         if not 0 <= self.weight_fraction <= 1:
             raise CostTableError(f"cost table {self.model!r}: weight_fraction must be in [0, 1], got {self.weight_fraction}")
+        object.__setattr__(self, "tied", tuple(self.tied))
+        for tied in self.tied:
+            _check_tied(tied, len(self.layers), f"cost table {self.model!r}: tied parameter {tied.name!r}")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -177,7 +206,7 @@ class CostTable:
         head = "costs " + format_fields(
             [("model", self.model or None), ("weight_fraction", self.weight_fraction), ("layers", len(self.layers))]
         )
-        return "\n".join([head, *(str(layer) for layer in self.layers)]) + "\n"
+        return "\n".join([head, *(str(layer) for layer in self.layers), *(str(tied) for tied in self.tied)]) + "\n"
 
     @classmethod
     def parse(cls, text: str) -> CostTable:
@@ -193,10 +222,18 @@ class CostTable:
         count = head.int("layers")
         head.done()
         layers = []
+        tied: list[TiedParameter] = []
         for number, line in lines[1:]:
             keyword, tokens, where = record("layer", line, number)
+            if keyword == "tied":
+                reader = FieldReader(parse_fields(tokens, where), where)
+                tied.append(TiedParameter(reader.str("name"), tuple(reader.ints("layers")), reader.int("bytes")))
+                reader.done()
+                continue
             if keyword != "layer":
-                raise ParseError(f"{where}: expected 'layer ...', got {keyword!r}")
+                raise ParseError(f"{where}: expected 'layer ...' or 'tied ...', got {keyword!r}")
+            if tied:
+                raise ParseError(f"{where}: 'layer' line after a 'tied' line; tied parameters come after the layers")
             reader = FieldReader(parse_fields(tokens, where), where)
             layer = LayerCost(
                 name=reader.str("name"),
@@ -217,7 +254,10 @@ class CostTable:
             layers.append(replace(layer, formulas=tuple(formulas)))
         if len(layers) != count:
             raise ParseError(f"cost table header says layers={count}, found {len(layers)} layer lines")
-        return cls(tuple(layers), model=model, weight_fraction=weight_fraction)
+        try:
+            return cls(tuple(layers), model=model, weight_fraction=weight_fraction, tied=tuple(tied))
+        except CostTableError as exc:
+            raise ParseError(str(exc)) from None
 
     # -- JSON / YAML ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -226,6 +266,8 @@ class CostTable:
             data["model"] = self.model
         data["weight_fraction"] = self.weight_fraction
         data["layers"] = [layer.to_dict() for layer in self.layers]
+        if self.tied:
+            data["tied"] = [tied.to_dict() for tied in self.tied]
         return data
 
     def to_json(self) -> str:
@@ -261,7 +303,11 @@ class CostTable:
                 )
             seen[layer.name] = index
             layers.append(layer)
-        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction))
+        raw_tied = data.get("tied", [])
+        if not isinstance(raw_tied, list):
+            raise CostTableError(f"{source}: 'tied' must be a list of {{name, layers, bytes}} objects, got {type(raw_tied).__name__}")
+        tied = tuple(_tied_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_tied))
+        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction), tied=tied)
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
@@ -320,6 +366,32 @@ def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
     layer = LayerCost(name=name, kind=kind, formulas=tuple(formulas.items()), **values)
     _check_layer(layer, where)
     return layer
+
+
+def _tied_from_dict(raw: Any, index: int, source: str, num_layers: int) -> TiedParameter:
+    where = f"{source}: tied {index}"
+    if not isinstance(raw, dict) or set(raw) - {"name", "layers", "bytes"}:
+        raise CostTableError(f"{where}: expected an object with keys name, layers, bytes, got {raw!r}")
+    name, layers, size = raw.get("name"), raw.get("layers"), raw.get("bytes")
+    if not isinstance(name, str) or not name:
+        raise CostTableError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    if not isinstance(layers, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
+        raise CostTableError(f"{where} ({name!r}): 'layers' must be a list of layer indices, got {layers!r}")
+    if _is_number(size) and float(size).is_integer():
+        size = int(size)
+    tied = TiedParameter(name, tuple(layers), size)
+    _check_tied(tied, num_layers, f"{where} ({name!r})")
+    return tied
+
+
+def _check_tied(tied: TiedParameter, num_layers: int, where: str) -> None:
+    layers = tied.layers
+    if len(layers) < 2 or list(layers) != sorted(set(layers)):
+        raise CostTableError(f"{where}: layers must be two or more distinct indices in ascending order, got {list(layers)}")
+    if layers[0] < 0 or layers[-1] >= num_layers:
+        raise CostTableError(f"{where}: layers {list(layers)} outside 0..{num_layers - 1}")
+    if not isinstance(tied.bytes, int) or isinstance(tied.bytes, bool) or tied.bytes < 0:
+        raise CostTableError(f"{where}: bytes must be a non-negative integer, got {tied.bytes!r}")
 
 
 def _check_layer(layer: LayerCost, where: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octopipe.errors import ParseError
+from octopipe.ir.costs import TiedParameter
 from octopipe.ir.text import FieldReader, format_fields, format_strs, parse_fields, record
 
 
@@ -92,6 +93,25 @@ class LayerGraph:
     @property
     def skip_edges(self) -> tuple[TensorEdge, ...]:
         return tuple(edge for edge in self.edges if edge.is_skip)
+
+    def tied_parameters(self, dtype_bytes: int | None = None) -> tuple[TiedParameter, ...]:
+        """The shared parameters as cost-table entries (`CostTable.tied`), sized from the traced
+        module: numel x `dtype_bytes` (default: the parameter's own element size)."""
+        if not self.shared:
+            return ()
+        if self.module is None:
+            raise ParseError(f"graph {self.model!r}: shared parameters need the traced module for their sizes "
+                             "(this graph was parsed from text); trace the model")
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        tied = []
+        for shared in self.shared:
+            param = params.get(shared.name)
+            if param is None:
+                raise ParseError(f"graph {self.model!r}: shared parameter {shared.name!r} is not a parameter of the "
+                                 "traced module")
+            size = param.numel() * (param.element_size() if dtype_bytes is None else dtype_bytes)
+            tied.append(TiedParameter(shared.name, tuple(sorted(set(shared.layers))), int(size)))
+        return tuple(tied)
 
     def layer_of_node(self) -> dict[str, int]:
         return {node: layer.index for layer in self.layers for node in layer.nodes}

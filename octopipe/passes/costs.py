@@ -1257,7 +1257,7 @@ def analytic_costs(
                 formulas=formulas,
             )
         )
-    return CostTable(tuple(layers), model=graph.model)
+    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes))
 
 
 _FORMULA_TEXT: dict[Poly, str] = {}

@@ -76,7 +76,7 @@ def profile_costs(
     layers = []
     for layer, sub in zip(graph.layers, layer_modules(graph)):
         layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs)))
-    return CostTable(tuple(layers), model=graph.model)
+    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters())
 
 
 # ---------------------------------------------------------------------------- cutting the graph

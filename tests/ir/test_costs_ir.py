@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from octopipe import CostTable, CostTableError, LayerCost, ParseError
+from octopipe.ir import TiedParameter
 from octopipe.ir.costs import DEFAULT_WEIGHT_FRACTION
 
 
@@ -88,7 +89,12 @@ def tables(draw):
             )
         )
     model = draw(st.just("") | names)
-    return CostTable(tuple(layers), model=model, weight_fraction=draw(st.floats(0, 1, allow_nan=False)))
+    tied = []
+    if len(layers) >= 2:
+        for number in range(draw(st.integers(0, 2))):
+            members = draw(st.lists(st.integers(0, len(layers) - 1), min_size=2, max_size=len(layers), unique=True))
+            tied.append(TiedParameter(draw(names) + f"#{number}", tuple(sorted(members)), draw(st.integers(0, 2**40))))
+    return CostTable(tuple(layers), model=model, weight_fraction=draw(st.floats(0, 1, allow_nan=False)), tied=tuple(tied))
 
 
 @given(tables())
@@ -190,3 +196,26 @@ def test_a_measured_full_backward_replaces_b_plus_w_only_for_ops_that_run_them_t
     assert CostTable.from_dict(table.to_dict()) == table
     with pytest.raises(CostTableError, match=r"layer 0 \('l0'\): field 'backward_full_ms' must be a non-negative"):
         CostTable.from_dict({"layers": [{**GOOD, "backward_full_ms": -1.0}]})
+
+
+def test_tied_parameters_round_trip_and_bad_ones_name_the_entry(tmp_path):
+    table = CostTable(small_table().layers, model="m", tied=(TiedParameter("embed.weight", (0, 2), 4096),))
+    text = str(table)
+    assert text.splitlines()[-1] == "tied name=embed.weight layers=0,2 bytes=4096"
+    assert CostTable.parse(text) == table
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert CostTable.load(path).tied == table.tied
+    data = table.to_dict()
+    for bad, message in (([{"name": "w", "layers": [2, 0], "bytes": 1}], "ascending"),
+                         ([{"name": "w", "layers": [0, 9], "bytes": 1}], "outside"),
+                         ([{"name": "w", "layers": [0, 1], "bytes": -1}], "non-negative"),
+                         ([{"name": "w", "layers": [0, 1]}], "bytes"),
+                         ({"name": "w"}, "must be a list")):
+        with pytest.raises(CostTableError, match=message) as info:
+            CostTable.from_dict({**data, "tied": bad}, source="f.json")
+        assert "f.json" in str(info.value)
+    with pytest.raises(ParseError, match="after a 'tied' line"):
+        CostTable.parse(text + "layer name=x forward_ms=1 backward_ms=1\n")
+    with pytest.raises(ParseError, match="outside"):
+        CostTable.parse(text.replace("layers=0,2", "layers=0,7"))

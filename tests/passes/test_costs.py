@@ -155,6 +155,18 @@ def test_cost_table_from_the_roofline():
     assert fp32[1].output_bytes == 2 * table[1].output_bytes and fp32[0].param_bytes == 2 * table[0].param_bytes
     bigger = analytic_costs(graph, H100, batch_size=8, seq_len=32)
     assert bigger[1].activation_bytes == 2 * table[1].activation_bytes
+    assert table.tied == ()  # llama's head is untied
+
+
+def test_a_tied_embedding_and_head_is_one_tied_entry_in_the_training_dtype():
+    graph = tiny_graph("gemma")
+    cfg = config("gemma", "tiny")
+    table = analytic_costs(graph, H100, batch_size=2, seq_len=32)
+    (tied,) = table.tied
+    assert tied.layers == (layer(graph, "embed"), layer(graph, "head"))
+    assert tied.bytes == cfg.vocab_size * cfg.hidden_size * 2
+    assert table[tied.layers[0]].param_bytes >= tied.bytes and table[tied.layers[1]].param_bytes >= tied.bytes
+    assert CostTable.parse(str(table)).tied == table.tied
 
 
 def test_seq_dims_say_which_input_dims_are_the_sequence():

@@ -40,6 +40,11 @@ def test_profiles_every_layer_of_the_reference_models(name):
             assert cost.backward_weight_ms > 0
         if layer.kind == "loss":
             assert cost.backward_weight_ms == 0 and cost.output_bytes == 0
+    # a tied embedding and head (gemma) is one table entry, sized from the parameter itself
+    expected = [(s.name, s.layers) for s in graph.shared]
+    assert [(t.name, t.layers) for t in table.tied] == expected
+    assert [t.bytes for t in table.tied] == [dict(model.named_parameters())[n].numel() * 4 for n, _ in expected]
+    assert bool(table.tied) == (name == "gemma")
 
 
 class Block(nn.Module):
@@ -56,7 +61,7 @@ class TwoWidths(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, 128)
-        self.layers = nn.ModuleList([Block(128, 256), Block(128, 1024)])  # the second is 4x wider
+        self.layers = nn.ModuleList([Block(128, 256), Block(128, 2048)])  # the second is 8x wider
         self.head = nn.Linear(128, 64)
 
     def forward(self, ids):
