@@ -22,6 +22,7 @@ devices and microbatches grow. Usage:
 
     python benchmarks/plan_vs_baselines.py [--time-limit 60] [--models deepseek-16B,gpt-13B]
         [--devices 4,8,16] [--factors 2,4] [--no-analytic] [--analytic-models gemma,llama] [--no-growth]
+        [--activation-limit 1f1b|none]
 """
 
 from __future__ import annotations
@@ -108,14 +109,16 @@ def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None)
     return tables
 
 
-def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_limit_s: float) -> Case:
+def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_limit_s: float,
+             activation_limit: str | None = "1f1b") -> Case:
     case = Case(name, devices, microbatches)
     cluster = ClusterSpec.preset("h100x16", num_devices=devices)
     if devices > len(costs):
         case.error = f"{len(costs)} layers < {devices} devices"
         return case
     try:
-        result = plan(costs, cluster, microbatches, time_limit_s=time_limit_s, activation_limit="1f1b", quiet=True)
+        result = plan(costs, cluster, microbatches, time_limit_s=time_limit_s, activation_limit=activation_limit,
+                      quiet=True)
     except OctopipeError as exc:
         case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
         return case
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--analytic-models", default=None,
                         help="reference models to price analytically, comma-separated (default: all)")
     parser.add_argument("--no-growth", action="store_true", help="skip the planning-time growth table")
+    parser.add_argument("--activation-limit", choices=("1f1b", "none"), default="1f1b",
+                        help="1f1b: no device holds more activations than the 1F1B baselines' busiest (default); "
+                             "none: only the device memory limits plans, ours and the baselines' alike")
     args = parser.parse_args(argv)
     device_counts = [int(x) for x in args.devices.split(",")]
     factors = [int(x) for x in args.factors.split(",")]
@@ -226,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_analytic:
         families = args.analytic_models.split(",") if args.analytic_models else None
         tables.update(analytic_tables(ClusterSpec.preset("h100x16"), families))
-    print(f"OctoPipe plan vs baselines: activation limit = the 1F1B baselines' busiest device; "
+    limit = ("the 1F1B baselines' busiest device" if args.activation_limit == "1f1b"
+             else "none (device memory only)")
+    print(f"OctoPipe plan vs baselines: activation limit = {limit}; "
           f"H100 nodes of 8 (NVLink, InfiniBand between nodes); time limit {args.time_limit:.0f}s per case")
     print(HEADER)
     print("-" * len(HEADER))
@@ -234,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, costs in tables.items():
         for devices in device_counts:
             for factor in factors:
-                case = run_case(name, costs, devices, factor * devices, args.time_limit)
+                case = run_case(name, costs, devices, factor * devices, args.time_limit,
+                                None if args.activation_limit == "none" else args.activation_limit)
                 cases.append(case)
                 print(format_case(case), flush=True)
     print()
