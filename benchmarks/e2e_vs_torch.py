@@ -13,10 +13,11 @@ ViT + cross-attention multimodal model; CPU-sized configs), 2 processes (gloo, 1
 
 All runs of one model share one launch and alternate step by step (ours, then each torch
 schedule), so machine noise hits them alike. A step's time is the slowest rank's; the table gives
-the median of the measured steps, throughput in tokens/s, and OctoPipe's speedup over the best
-torch schedule.
+the median of the measured steps, throughput in tokens/s, OctoPipe's speedup over the best
+torch schedule (ratio of medians), and the same speedup taken round by round (torch's step over
+ours in the same round: median and middle half), which shows how far the noise moves it.
 
-    python benchmarks/e2e_vs_torch.py [--steps 5] [--warmup 2] [--models gemma,deepseek,...]
+    python benchmarks/e2e_vs_torch.py [--steps 8] [--warmup 2] [--models gemma,deepseek,...]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import nn
 
 import octopipe
 from octopipe import models
-from octopipe.bench import calibrate_cpu_cluster, runtime_profile
+from octopipe.bench import StepTiming, calibrate_cpu_cluster, paired_speedup, runtime_profile
 from octopipe.runtime import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,7 +165,7 @@ def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default=",".join(CONFIGS))
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
@@ -175,7 +176,7 @@ def main() -> None:
           f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {NUM_MICROBATCHES} microbatches; "
           f"median of {args.steps} steps after {args.warmup} warm-up (a step = the slowest rank)")
     header = f"{'model':<11} {'octopipe ms':>11} {'best torch schedule':<30} {'torch ms':>9} {'tokens/s ours':>13} " \
-             f"{'tokens/s torch':>14} {'speedup':>8}"
+             f"{'tokens/s torch':>14} {'speedup':>8}  per-step pairs: median (middle half)"
     lines = []
     for name in args.models.split(","):
         model, inputs, target = _data(name)
@@ -186,13 +187,15 @@ def main() -> None:
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                 num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)
         per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup), timeout_s=3600)
-        medians = {}
+        medians, steps_of = {}, {}
         for key in per_rank[0]["times"]:
             steps = [max(r["times"][key][k] for r in per_rank) for k in range(len(per_rank[0]["times"][key]))]
             if steps:
                 medians[key] = statistics.median(steps) * 1e3
+                steps_of[key] = StepTiming(tuple(t * 1e3 for t in steps), ())
         ours = medians.pop("octopipe")
         best = min(medians, key=medians.get)
+        paired = paired_speedup(steps_of["octopipe"], steps_of[best])
         tokens = BATCH_SIZE * inputs[-1].shape[1]
         print(f"\n{name}: plan {result.plan.num_stages} stages, placement {result.plan.placement}, predicted "
               f"{result.report.iteration_ms:.0f} ms; torch per schedule: "
@@ -200,7 +203,8 @@ def main() -> None:
         for key, why in per_rank[0]["failed"].items():
             print(f"  torch {key}: {why}")
         lines.append(f"{name:<11} {ours:>11.1f} {best.removeprefix('Schedule'):<30} {medians[best]:>9.1f} "
-                     f"{tokens / ours * 1e3:>13.0f} {tokens / medians[best] * 1e3:>14.0f} {medians[best] / ours:>7.3f}x")
+                     f"{tokens / ours * 1e3:>13.0f} {tokens / medians[best] * 1e3:>14.0f} {medians[best] / ours:>7.3f}x  "
+                     f"{paired.median:.3f}x ({paired.low:.3f}x-{paired.high:.3f}x)")
     print()
     print(header)
     for line in lines:

@@ -30,6 +30,33 @@ class StepTiming:
         return statistics.median(self.step_ms)
 
 
+@dataclass(frozen=True)
+class PairedSpeedup:
+    """How much faster `ours` ran than `theirs`, step by step (steps interleaved in one launch)."""
+
+    median: float
+    """Median over steps of theirs / ours for the same round."""
+    low: float
+    high: float
+    """The middle half of those per-step ratios (25th to 75th percentile; min and max below 4 steps)."""
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f}x (per-step pairs, middle half {self.low:.3f}x-{self.high:.3f}x)"
+
+
+def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
+    """theirs / ours per round of a `measure_many` run (round k of each ran back to back), so the
+    machine's drift between rounds cancels; the spread says how far one round's noise moves it."""
+    if not ours.step_ms or len(ours.step_ms) != len(theirs.step_ms):
+        raise ValueError(f"paired_speedup: need the same number of steps (> 0) of both, got "
+                         f"{len(ours.step_ms)} and {len(theirs.step_ms)}")
+    ratios = sorted(t / o for o, t in zip(ours.step_ms, theirs.step_ms))
+    if len(ratios) < 4:
+        return PairedSpeedup(statistics.median(ratios), ratios[0], ratios[-1])
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return PairedSpeedup(statistics.median(ratios), low, high)
+
+
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = ()
                   ) -> tuple[list[StepTiming], list[dict[tuple[str, int], list[float]]]]:

@@ -18,6 +18,7 @@ def test_quick_demo_trains_every_plan_to_the_same_losses_and_writes_pictures(tmp
     losses = {tuple(row.split()[-1:]) for row in rows}
     assert len(losses) == 1, f"plans trained to different losses:\n{text}"  # pipelining changes no arithmetic
     assert result["ours_ms"] > 0 and result["baseline_ms"] > 0
-    assert "speedup over" in text and "balance bound" in text
+    assert "speedup over" in text and "per-step pairs" in text and "balance bound" in text
+    assert result["paired_speedup"].low <= result["paired_speedup"].median <= result["paired_speedup"].high
     assert (tmp_path / "demo" / "timelines.png").stat().st_size > 0
     assert (tmp_path / "demo" / "report.txt").read_text().startswith("OctoPipe plan")

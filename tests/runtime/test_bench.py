@@ -130,3 +130,20 @@ def test_launch_reports_the_rank_that_failed_first_not_its_echo():
 
     with pytest.raises(ExecutionError, match=r"worker rank 1 of 2 failed[\s\S]*ValueError: the real cause"):
         launch(_one_rank_fails, 2, timeout_s=60)
+
+
+def test_paired_speedup_pairs_rounds_so_drift_between_rounds_cancels():
+    from octopipe.bench import StepTiming, paired_speedup
+
+    # the machine slows down 2x over the run; theirs is always 1.25x ours in the same round
+    ours = StepTiming((100.0, 150.0, 200.0, 120.0, 180.0), ())
+    theirs = StepTiming(tuple(1.25 * t for t in ours.step_ms), ())
+    paired = paired_speedup(ours, theirs)
+    assert paired.median == pytest.approx(1.25) and paired.low == pytest.approx(1.25) == paired.high
+    assert "1.250x" in str(paired)
+    noisy = paired_speedup(StepTiming((100.0, 100.0, 100.0, 100.0), ()), StepTiming((90.0, 100.0, 110.0, 130.0), ()))
+    assert noisy.low < noisy.median < noisy.high and noisy.median == pytest.approx(1.05)
+    short = paired_speedup(StepTiming((100.0, 100.0), ()), StepTiming((90.0, 120.0), ()))
+    assert (short.low, short.high) == (pytest.approx(0.9), pytest.approx(1.2))
+    with pytest.raises(ValueError, match="same number of steps"):
+        paired_speedup(ours, StepTiming((1.0,), ()))
