@@ -41,7 +41,7 @@ class PairedSpeedup:
     """The middle half of those per-step ratios (25th to 75th percentile; min and max below 4 steps)."""
 
     def __str__(self) -> str:
-        return f"{self.median:.3f}x (per-step pairs, middle half {self.low:.3f}x-{self.high:.3f}x)"
+        return f"per-step pairs {self.median:.3f}x (middle half {self.low:.3f}x-{self.high:.3f}x)"
 
 
 def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:

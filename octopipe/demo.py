@@ -100,7 +100,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     ours, timing_ours = rows[0][1], timings[0]
     theirs, timing_theirs = rows[1][1], timings[1]
     for (name, _), timing, predicted in list(zip(rows, timings, predictions))[1:]:
-        say(f"speedup over {name}: measured {timing.median_ms / timing_ours.median_ms:.3f}x (medians; "
+        say(f"speedup over {name}: measured {timing.median_ms / timing_ours.median_ms:.3f}x (ratio of medians; "
             f"{paired_speedup(timing_ours, timing)}), predicted {predicted / predictions[0]:.3f}x")
     measured = timing_theirs.median_ms / timing_ours.median_ms
     predicted = predictions[1] / predictions[0]

@@ -140,7 +140,7 @@ def test_paired_speedup_pairs_rounds_so_drift_between_rounds_cancels():
     theirs = StepTiming(tuple(1.25 * t for t in ours.step_ms), ())
     paired = paired_speedup(ours, theirs)
     assert paired.median == pytest.approx(1.25) and paired.low == pytest.approx(1.25) == paired.high
-    assert "1.250x" in str(paired)
+    assert str(paired) == "per-step pairs 1.250x (middle half 1.250x-1.250x)"
     noisy = paired_speedup(StepTiming((100.0, 100.0, 100.0, 100.0), ()), StepTiming((90.0, 100.0, 110.0, 130.0), ()))
     assert noisy.low < noisy.median < noisy.high and noisy.median == pytest.approx(1.05)
     short = paired_speedup(StepTiming((100.0, 100.0), ()), StepTiming((90.0, 120.0), ()))
