@@ -13,7 +13,12 @@ scheduler. The tuner
    3p, ... stages (up to one layer per stage) whose boundaries balance the devices' loads three
    ways: the busiest device's load (`schedules.balanced_partition`), equal stages, and
    *release-aware* (`solver.balanced_structure`): a device cannot start before microbatch 0
-   reaches its first layer, so devices that start late should carry less;
+   reaches its first layer, so devices that start late should carry less; and, where a
+   placement leaves one device more than 5% over the mean load, that placement *rebalanced* by
+   one and by two moves: a stage of the busiest device moved to (or swapped with) the device that
+   lowers it most (when layers do not divide evenly over the laps, a zigzag's heavy last stage
+   lands on a device that already holds a full stage while others sit idle; a few moves keep the
+   shape, more scramble the stage order across devices);
 2. orders each structure with the bubble-aware list scheduler (below) under the memory limit with
    a few screening policies, then the best structures with every policy;
 3. improves the best few by hill climbing on (memory overshoot, iteration time): a boundary moved
@@ -558,6 +563,51 @@ def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:
     return result
 
 
+def stage_loads_of(layer_loads: Sequence[float], boundaries: Sequence[int]) -> list[float]:
+    return [sum(layer_loads[boundaries[s]:boundaries[s + 1]]) for s in range(len(boundaries) - 1)]
+
+
+def rebalanced_placement(stage_loads: Sequence[float], placement: Sequence[int], num_devices: int, *,
+                         max_moves: int, tolerance: float = 0.05) -> tuple[int, ...] | None:
+    """`placement` after up to `max_moves` moves, each the move of a stage of the busiest device
+    to another device, or its swap with a stage there, that lowers the pair's larger load most;
+    only while the busiest device is more than `tolerance` over the mean load and a move strictly
+    lowers it. None when nothing moves. Greedy and deterministic: a candidate, not an optimum."""
+    place = list(placement)
+    load = [0.0] * num_devices
+    for stage, device in enumerate(place):
+        load[device] += stage_loads[stage]
+    mean = sum(load) / num_devices
+    changed = False
+    for _ in range(max_moves):
+        if max(load) <= (1 + tolerance) * mean:
+            break
+        busiest = max(range(num_devices), key=lambda d: (load[d], -d))
+        peak = load[busiest]
+        best: tuple[float, int, int, int] | None = None  # (new peak of the pair, stage, target, swapped stage)
+        for stage in (s for s, d in enumerate(place) if d == busiest):
+            for target in range(num_devices):
+                if target == busiest:
+                    continue
+                for other in [-1, *(s for s, d in enumerate(place) if d == target)]:
+                    back = stage_loads[other] if other >= 0 else 0.0
+                    pair_peak = max(peak - stage_loads[stage] + back, load[target] + stage_loads[stage] - back)
+                    if pair_peak < peak - 1e-9 and (best is None or pair_peak < best[0] - 1e-12):
+                        best = (pair_peak, stage, target, other)
+        if best is None:
+            break
+        _, stage, target, other = best
+        place[stage] = target
+        load[busiest] -= stage_loads[stage]
+        load[target] += stage_loads[stage]
+        if other >= 0:
+            place[other] = busiest
+            load[target] -= stage_loads[other]
+            load[busiest] += stage_loads[other]
+        changed = True
+    return tuple(place) if changed else None
+
+
 def stage_counts(num_devices: int, num_layers: int, max_laps: int = 8) -> list[int]:
     """p, 2p, 3p, ... stages up to `max_laps` laps and one layer per stage, and the layer count
     itself (one layer per stage) when it is not a multiple of p."""
@@ -591,6 +641,12 @@ def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: i
                 options.append(("release-aware", released[0]))
             for how, bounds in options:
                 found.setdefault(Structure(tuple(bounds), placement, p), f"{count} stages {label} {how}")
+                if count > p:
+                    for moves in (1, 2):
+                        moved = rebalanced_placement(stage_loads_of(loads, bounds), placement, p, max_moves=moves)
+                        if moved is not None:
+                            found.setdefault(Structure(tuple(bounds), moved, p),
+                                             f"{count} stages {label} {how} rebalanced ({moves})")
         if p < count <= 3 * p:
             free = balanced_structure(costs, p, count, None, num_microbatches=num_microbatches, work=structure_work,
                                       seed=seed)

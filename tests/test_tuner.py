@@ -147,3 +147,24 @@ def test_tune_cut_short_by_the_clock_still_returns_a_valid_plan():
 
 def test_policy_defaults_split_backward():
     assert Policy().split_backward and any(not p.split_backward for p in POLICIES)
+
+
+def test_rebalanced_placement_moves_the_heavy_stage_off_the_busiest_device():
+    from octopipe.tuner import placements, rebalanced_placement
+
+    # 7 one-layer stages on 4 devices in a zigzag: 0 1 2 3 3 2 1; the last stage is 4x heavier
+    loads = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0]
+    zigzag = placements(4, 7)["zigzag"]
+    assert zigzag == (0, 1, 2, 3, 3, 2, 1)
+    one = rebalanced_placement(loads, zigzag, 4, max_moves=1)
+    # device 1 held stage 1 and the heavy stage 6 (load 5); moving stage 1 to device 0 leaves the
+    # heavy stage alone there, the least any placement can reach
+    assert one == (0, 0, 2, 3, 3, 2, 1)
+    device_load = [sum(w for w, d in zip(loads, one) if d == device) for device in range(4)]
+    assert device_load == [2.0, 4.0, 2.0, 2.0]
+    assert rebalanced_placement(loads, one, 4, max_moves=3) is None  # no move lowers it further
+    # nothing to do when the loads are within the tolerance of the mean
+    assert rebalanced_placement([1.0] * 8, placements(4, 8)["looped"], 4, max_moves=5) is None
+    # a move never empties a device: every device keeps a stage
+    many = rebalanced_placement(loads, zigzag, 4, max_moves=10)
+    assert set(many) == {0, 1, 2, 3}
