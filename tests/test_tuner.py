@@ -163,6 +163,8 @@ def test_rebalanced_placement_moves_the_heavy_stage_off_the_busiest_device():
     device_load = [sum(w for w, d in zip(loads, one) if d == device) for device in range(4)]
     assert device_load == [2.0, 4.0, 2.0, 2.0]
     assert rebalanced_placement(loads, one, 4, max_moves=3) is None  # no move lowers it further
+    # where no single move helps, a swap does: 4+4 against 3+3 becomes 4+3 and 4+3
+    assert rebalanced_placement([4.0, 4.0, 3.0, 3.0], (0, 0, 1, 1), 2, max_moves=1) == (1, 0, 0, 1)
     # nothing to do when the loads are within the tolerance of the mean
     assert rebalanced_placement([1.0] * 8, placements(4, 8)["looped"], 4, max_moves=5) is None
     # a move never empties a device: every device keeps a stage
