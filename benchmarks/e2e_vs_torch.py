@@ -23,7 +23,6 @@ ours in the same round: median and middle half), which shows how far the noise m
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -187,12 +186,12 @@ def main() -> None:
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                 num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)
         per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup), timeout_s=3600)
-        medians, steps_of = {}, {}
-        for key in per_rank[0]["times"]:
-            steps = [max(r["times"][key][k] for r in per_rank) for k in range(len(per_rank[0]["times"][key]))]
-            if steps:
-                medians[key] = statistics.median(steps) * 1e3
-                steps_of[key] = StepTiming(tuple(t * 1e3 for t in steps), ())
+        steps_of = {}
+        for key, times in per_rank[0]["times"].items():
+            if times:
+                steps_of[key] = StepTiming(tuple(max(r["times"][key][k] for r in per_rank) * 1e3
+                                                 for k in range(len(times))), ())
+        medians = {key: timing.median_ms for key, timing in steps_of.items()}
         ours = medians.pop("octopipe")
         best = min(medians, key=medians.get)
         paired = paired_speedup(steps_of["octopipe"], steps_of[best])

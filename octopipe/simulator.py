@@ -311,7 +311,6 @@ def _run(
     link_free: dict[tuple[int, int], float] = {}
     transfers: list[Transfer] = []
     device_time = [0.0] * num_devices
-    gradients_done = [0.0] * num_devices  # end of each device's last B/W so far
     pointer = [0] * num_devices
     last_op = [-1] * num_devices
     activation = [0.0] * num_devices
@@ -397,8 +396,6 @@ def _run(
             done[key] = finish
             device_time[device] = finish
             last_op[device] = key
-            if kind is not OpKind.F:
-                gradients_done[device] = finish
             # memory: allocate at F start, free at B end (all or all but W's share) and at W end
             if kind is OpKind.F:
                 activation[device] += act_bytes[stage]
@@ -462,7 +459,8 @@ def _run(
             if len(holders) < 2:
                 continue
             devices = tuple(sorted(holders))
-            start = max(max(gradients_done[d], reduced_until[d]) for d in devices)
+            start = max(max(_last_gradient_end(device_ops[d], done, per_kind, num_micro), reduced_until[d])
+                        for d in devices)
             slowest = min(cluster.bandwidth(a, b) for a in devices for b in devices if a != b) / 1e3
             steps = 2 * (len(devices) - 1)
             end = start + steps * (latency_ms + size / len(devices) / slowest) + cluster.message_overhead_ms
@@ -478,6 +476,14 @@ def _run(
         static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak), reductions=tuple(reductions),
         _starts=starts, _ends=done, _pred=pred,  # type: ignore[arg-type]
     )
+
+
+def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, num_micro: int) -> float:
+    """When a device's last B or W ended (0 if it runs none): where the runtime reduces tied gradients."""
+    for op in reversed(ops):
+        if op.kind is not OpKind.F:
+            return done[_KIND_INDEX[op.kind] * per_kind + op.stage * num_micro + op.microbatch]
+    return 0.0
 
 
 def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float, dict[int, int]]]:

@@ -563,10 +563,6 @@ def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:
     return result
 
 
-def stage_loads_of(layer_loads: Sequence[float], boundaries: Sequence[int]) -> list[float]:
-    return [sum(layer_loads[boundaries[s]:boundaries[s + 1]]) for s in range(len(boundaries) - 1)]
-
-
 def rebalanced_placement(stage_loads: Sequence[float], placement: Sequence[int], num_devices: int, *,
                          max_moves: int, tolerance: float = 0.05) -> tuple[int, ...] | None:
     """`placement` after up to `max_moves` moves, each the move of a stage of the busiest device
@@ -640,10 +636,11 @@ def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: i
             if released is not None:
                 options.append(("release-aware", released[0]))
             for how, bounds in options:
-                found.setdefault(Structure(tuple(bounds), placement, p), f"{count} stages {label} {how}")
+                structure = Structure(tuple(bounds), placement, p)
+                found.setdefault(structure, f"{count} stages {label} {how}")
                 if count > p:
                     for moves in (1, 2):
-                        moved = rebalanced_placement(stage_loads_of(loads, bounds), placement, p, max_moves=moves)
+                        moved = rebalanced_placement(structure.stage_loads(costs), placement, p, max_moves=moves)
                         if moved is not None:
                             found.setdefault(Structure(tuple(bounds), moved, p),
                                              f"{count} stages {label} {how} rebalanced ({moves})")

@@ -227,7 +227,7 @@ class CostTable:
             keyword, tokens, where = record("layer", line, number)
             if keyword == "tied":
                 reader = FieldReader(parse_fields(tokens, where), where)
-                tied.append(TiedParameter(reader.str("name"), tuple(reader.ints("layers")), reader.int("bytes")))
+                tied.append(TiedParameter(reader.str("name"), reader.ints("layers"), reader.int("bytes")))
                 reader.done()
                 continue
             if keyword != "layer":
