@@ -399,9 +399,11 @@ def compile(
     CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
     name (e.g. "zb-v") with `partition` ("balanced" or "uniform"). receive_ahead: how many computes
     before the one that reads it a receive is posted (as far as the pair order allows; see
-    `passes/lower.py`); default: as early as that order allows on gloo, where a send moves its data
-    only once the receive is posted (posted late, the data waits for the sender's I/O thread to get
-    a core while both ranks compute), and 1 on NCCL, where every posted receive holds a buffer."""
+    `passes/lower.py`); default: at the start of the step on gloo, where a send moves its data only
+    once the receive is posted (posted late, the data waits 10-35 ms for the sender's I/O thread
+    to get a core while both ranks compute) and receives match sends by tag, so they need not
+    keep the order of the rank's own sends to that peer; and 1 on NCCL, where every posted
+    receive holds a buffer and a pair's operations run in one order."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import trace
@@ -456,7 +458,10 @@ def compile(
         receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
     elif not isinstance(receive_ahead, int) or isinstance(receive_ahead, bool) or receive_ahead < 0:
         raise PlanError(f"compile: receive_ahead must be a non-negative integer (computes), got {receive_ahead!r}")
-    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead))
+    # gloo matches a receive to its send by tag: only receives from one peer need the send order
+    # among themselves, so (with the default) every receive is posted when the step starts
+    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
+                                            serialized_pairs=cluster.backend != "gloo"))
     timed("verify", lambda: verify(programs, chosen, links))
     return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import octopipe
-from octopipe import ClusterSpec, OctopipeError, PipelinePlan, PlanError, models
+from octopipe import ClusterSpec, OctopipeError, PipelinePlan, PlanError, VerificationError, models
 from octopipe.ir.program import parse_programs
+from octopipe.passes.verify import verify
 from octopipe.runtime import launch
 
 CLUSTER = ClusterSpec.preset("cpux2")
@@ -107,25 +108,35 @@ def _receive_positions(pipe):
             for position, instruction in enumerate(program.instructions) if instruction.is_recv}
 
 
-def test_receives_are_posted_as_early_as_the_pair_order_allows_on_gloo_and_one_compute_ahead_on_nccl():
+def test_receives_are_posted_at_the_step_start_on_gloo_and_one_compute_ahead_in_pair_order_on_nccl():
     model, x, y = _tiny("llama")
     gpu_like = ClusterSpec.preset("h100x8", num_devices=2)
     assert CLUSTER.backend == "gloo" and gpu_like.backend == "nccl"
     common = dict(example_inputs=x, example_target=y, loss_fn=models.lm_loss, num_microbatches=4, schedule="1f1b")
     gloo = octopipe.compile(model, CLUSTER, **common)
     nccl = octopipe.compile(model, gpu_like, **common)
-    same = octopipe.compile(model, CLUSTER, receive_ahead=1, **common)
-    assert same.programs == nccl.programs
-    early, late = _receive_positions(gloo), _receive_positions(nccl)
-    assert early.keys() == late.keys()
+    near = octopipe.compile(model, CLUSTER, receive_ahead=1, **common)
+    early, late, one = _receive_positions(gloo), _receive_positions(nccl), _receive_positions(near)
+    assert early.keys() == late.keys() == one.keys()
+
     def computes_before(pipe, rank, position):
         return sum(i.is_compute for i in pipe.programs[rank].instructions[:position])
 
-    # each rank's program has the same instructions, every receive posted no later than before
-    moved = 0
-    for (rank, text), position in early.items():
-        assert computes_before(gloo, rank, position) <= computes_before(nccl, rank, late[(rank, text)])
-        moved += computes_before(gloo, rank, position) < computes_before(nccl, rank, late[(rank, text)])
-    assert moved > 0
+    def computes_to_reader(pipe, rank, position):
+        instruction = pipe.programs[rank].instructions[position]
+        body = pipe.programs[rank].instructions[position:]
+        reader = next(k for k, i in enumerate(body) if i.is_compute and i.stage == instruction.stage
+                      and i.microbatch == instruction.microbatch)
+        return sum(i.is_compute for i in body[:reader])
+
+    # gloo (matches by tag): every receive before the first compute; with receive_ahead=1 at
+    # most one compute ahead of its reader
+    assert all(computes_before(gloo, rank, position) == 0 for (rank, _), position in early.items())
+    assert all(computes_to_reader(near, rank, position) <= 1 for (rank, _), position in one.items())
+    # NCCL: both ranks of the pair in one order (a pair's operations run on one stream)
+    verify(nccl.programs, nccl.plan, serialized_pairs=True)
+    with pytest.raises(VerificationError, match="pair order"):
+        verify(gloo.programs, gloo.plan, serialized_pairs=True)
+    verify(gloo.programs, gloo.plan)
     with pytest.raises(PlanError, match="receive_ahead must be a non-negative integer"):
         octopipe.compile(model, CLUSTER, receive_ahead=-1, **common)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from octopipe import PipelinePlan, PlanError
+from octopipe import PipelinePlan, PlanError, VerificationError
 from octopipe.ir.program import COMM_KINDS, InstrKind, format_programs, parse_programs
 from octopipe.passes.lower import lower
 from octopipe.passes.verify import message_of, verify
@@ -73,6 +73,27 @@ def test_prefetch_posts_receives_a_compute_early_where_the_pair_order_allows():
     assert rank1.index("recv_act stage=1 mb=1 peer=0 peer_stage=0") < rank1.index("backward stage=1 mb=0")
     for programs in (late, early, lower(plan, prefetch=3)):
         verify(programs, plan, serialized_pairs=True)
+
+
+def test_tag_matching_transport_posts_receives_without_the_reverse_direction_order():
+    plan = PipelinePlan.parse(ONE_F_ONE_B)
+    tagged = lower(plan, prefetch=10, serialized_pairs=False)
+    for program in tagged:  # every receive before the first compute, in the peer's send order
+        body = program.instructions
+        first = next(step for step, i in enumerate(body) if i.is_compute)
+        assert all(step < first for step, i in enumerate(body) if i.is_recv)
+    rank0 = [str(i) for i in tagged[0].instructions]
+    assert rank0[:3] == [f"recv_grad stage=0 mb={m} peer=1 peer_stage=1" for m in range(3)]
+    verify(tagged, plan)
+    with pytest.raises(VerificationError, match="pair order"):
+        verify(tagged, plan, serialized_pairs=True)
+    # prefetch still bounds how early: with 0 no compute runs between a receive and its reader
+    for program in lower(plan, prefetch=0, serialized_pairs=False):
+        body = program.instructions
+        for step, i in enumerate(body):
+            if i.is_recv:
+                reader = next(j for j in body[step:] if j.is_compute)
+                assert (reader.stage, reader.microbatch) == (i.stage, i.microbatch)
 
 
 def test_compute_in_plan_order_with_b_w_split():
@@ -170,3 +191,6 @@ def test_random_plans_lower_and_verify(case, prefetch):
     sequences = _pair_sequences(programs)
     for (a, b), sequence in sequences.items():
         assert sequence == sequences[(b, a)]
+    # a tag-matching transport: receives may move ahead of the rank's own sends; still matched
+    # per direction and deadlock-free
+    verify(lower(plan, links, prefetch=prefetch + 2, serialized_pairs=False), plan, links)
