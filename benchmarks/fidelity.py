@@ -12,7 +12,9 @@ minutes apart, so a profile taken earlier predicts the machine of then, not of t
 "earlier" column keeps the prediction from the planning profile for comparison.
 Prints each error and the mean and max absolute error (target: mean <= 5%, max <= 10%), and the
 relative error: each plan's measured time over the model's 1F1B run divided by the same ratio
-predicted.
+predicted. A control: the 1F1B plan is compiled twice and both copies run in the rotation; how
+far apart the two identical pipelines measure ("noise floor") is what this machine alone adds
+to an error in that run.
 
     python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
@@ -52,6 +54,7 @@ def main() -> None:
     errors = []
     relative_errors = []
     earlier_errors = []
+    floors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
         probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
@@ -64,9 +67,13 @@ def main() -> None:
         plans["octopipe"] = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit,
                                           quiet=True).plan
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                  num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan) for plan in plans.values()]
+                                  num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan)
+                 for plan in [*plans.values(), plans["1f1b/balanced"]]]
         timings, now = measure_with_profile(pipes, probe, inputs, target, steps=args.steps, warmup=1,
                                             op_overhead_ms=cluster.op_overhead_ms)
+        control = timings.pop()
+        pipes.pop()
+        floors.append(abs(control.median_ms / timings[0].median_ms - 1))
         predictions = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)).iteration_ms for plan in plans.values()]
         reference_predicted, reference_measured = predictions[0], timings[0].median_ms
         for (label, _), pipe, timing, predicted in zip(plans.items(), pipes, timings, predictions):
@@ -79,10 +86,14 @@ def main() -> None:
             earlier_errors.append(abs(timing.median_ms / earlier - 1))
             print(f"{name:<11} {label:<26} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+8.1%} {relative:>+9.1%} "
                   f"{earlier:>10.1f} {timing.median_ms / earlier - 1:>+8.1%}")
+        print(f"{name:<11} {'1f1b/balanced, 2nd copy':<26} {'':>12} {control.median_ms:>12.1f} "
+              f"{'':>8} {control.median_ms / timings[0].median_ms - 1:>+9.1%}  (noise floor: the same plan again)")
     print(f"\nmean |error| {statistics.mean(errors):.1%}, max |error| {max(errors):.1%} over {len(errors)} runs "
           f"(target: mean <= 5%, max <= 10%)")
     print(f"predicted from the planning profile taken before the run instead: mean |error| "
           f"{statistics.mean(earlier_errors):.1%}, max {max(earlier_errors):.1%}")
+    print(f"noise floor: the same 1F1B plan run twice in one rotation measured {statistics.mean(floors):.1%} apart on "
+          f"average, at most {max(floors):.1%} ({', '.join(f'{f:.1%}' for f in floors)})")
     print(f"relative to the same model's {SCHEDULES[0]}/balanced in the same run (machine speed drift cancels): mean |error| "
           f"{statistics.mean(relative_errors):.1%}, max {max(relative_errors):.1%} over {len(relative_errors)} runs")
 
