@@ -68,21 +68,42 @@ class StageCosts:
     weight: tuple[float, ...]
     activation: tuple[float, ...]
     output: tuple[float, ...]
-    """Bytes each stage sends forward (its last layer's output); the gradient going back is as big."""
+    """Bytes each stage sends to the next (its last layer's output, less the skip tensors the next
+    stage does not read, plus those of its other layers it does); the gradient going back is as big."""
     params: tuple[float, ...]
+    skips: tuple[tuple[int, int, float], ...] = ()
+    """(producer stage, consumer stage, bytes): skip tensors sent past the next stage, one message
+    per stage pair and microbatch (and their gradients back)."""
 
     @classmethod
     def of(cls, boundaries: tuple[int, ...], costs: CostTable) -> StageCosts:
         pairs = list(zip(boundaries[:-1], boundaries[1:]))
         output = costs.output
+        chain = [float(output[b - 1]) for _, b in pairs]
+        links: dict[tuple[int, int], float] = {}
+        if costs.skips:
+            stage_of = [s for s, (a, b) in enumerate(pairs) for _ in range(a, b)]
+            for skip in costs.skips:
+                source = stage_of[skip.producer]
+                readers = sorted({stage_of[c] for c in skip.consumers} - {source})
+                last = skip.producer == boundaries[source + 1] - 1
+                if last and source + 1 < len(pairs) and source + 1 not in readers:
+                    chain[source] -= skip.bytes  # counted in the layer's output, not read next door
+                for reader in readers:
+                    if reader == source + 1:
+                        if not last:
+                            chain[source] += skip.bytes
+                    else:
+                        links[(source, reader)] = links.get((source, reader), 0.0) + skip.bytes
         return cls(
             forward=tuple(costs.range_sum("forward", a, b) for a, b in pairs),
             backward_input=tuple(costs.range_sum("backward_input", a, b) for a, b in pairs),
             backward_full=tuple(costs.range_sum("backward_full", a, b) for a, b in pairs),
             weight=tuple(costs.range_sum("weight", a, b) for a, b in pairs),
             activation=tuple(costs.range_sum("activation", a, b) for a, b in pairs),
-            output=tuple(output[b - 1] for _, b in pairs),
+            output=tuple(max(0.0, value) for value in chain),
             params=tuple(costs.range_sum("params", a, b) for a, b in pairs),
+            skips=tuple((a, c, size) for (a, c), size in sorted(links.items())),
         )
 
 
@@ -325,6 +346,20 @@ def _run(
     posting = [cluster.message_overhead_ms * ((s > 0 and stage_device[s - 1] != stage_device[s])
                                               + (s < num_stages - 1 and stage_device[s + 1] != stage_device[s]))
                for s in range(num_stages)] if cluster.message_overhead_ms else None
+    # skip tensors between stages on different devices: F(c) also waits for each one's message,
+    # B(a) for its gradient. Message keys follow the ops': total + (2 link + 0|1) x micro + m.
+    # (On one device they add nothing: the chain already orders those ops.)
+    skip_in: list[list[tuple[int, int]]] = [[] for _ in range(num_stages)]
+    skip_out: list[list[tuple[int, int, float]]] = [[] for _ in range(num_stages)]
+    for link, (source, reader, size) in enumerate(sc.skips):
+        if stage_device[source] != stage_device[reader]:
+            skip_out[source].append((link, reader, size))
+            skip_in[reader].append((link, source))
+            if posting is not None:
+                posting[source] += cluster.message_overhead_ms
+                posting[reader] += cluster.message_overhead_ms
+    if sc.skips:
+        ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
     bandwidth_cache: dict[tuple[int, int], float] = {}
@@ -355,6 +390,18 @@ def _run(
                         break
                 else:
                     dep, arrival = -1, 0.0
+                if skip_in[stage]:
+                    missing = -1
+                    for link, source in skip_in[stage]:
+                        message = total + 2 * link * num_micro + micro
+                        if ready[message] < 0:
+                            missing = message
+                            break
+                        if ready[message] > arrival:
+                            arrival, dep = ready[message], source * num_micro + micro
+                    if missing >= 0:
+                        waiters.setdefault(missing, []).append(device)
+                        break
                 duration = forward[stage]
             elif kind is OpKind.B:
                 key = per_kind + base
@@ -371,6 +418,18 @@ def _run(
                         arrival, dep = own, base
                 else:
                     dep, arrival = base, own
+                if skip_out[stage]:
+                    missing = -1
+                    for link, reader, _ in skip_out[stage]:
+                        message = total + (2 * link + 1) * num_micro + micro
+                        if ready[message] < 0:
+                            missing = message
+                            break
+                        if ready[message] > arrival:
+                            arrival, dep = ready[message], per_kind + reader * num_micro + micro
+                    if missing >= 0:
+                        waiters.setdefault(missing, []).append(device)
+                        break
                 duration = backward_input[stage] if is_split[base] else backward_full[stage]
             else:
                 key = 2 * per_kind + base
@@ -433,6 +492,30 @@ def _run(
                     if record:
                         transfers.append(Transfer("act" if kind is OpKind.F else "grad", device, target, send_start, arrive, op))
                 woken = waiters.pop(key, None)
+                if woken:
+                    queue.extend(woken)
+            if kind is OpKind.F and skip_out[stage]:
+                sends = [(total + 2 * link * num_micro + micro, stage_device[reader], size)
+                         for link, reader, size in skip_out[stage]]
+            elif kind is OpKind.B and skip_in[stage]:
+                sends = [(total + (2 * link + 1) * num_micro + micro, stage_device[source], sc.skips[link][2])
+                         for link, source in skip_in[stage]]
+            else:
+                sends = ()
+            for message, target, size in sends:
+                link = (device, target)
+                bandwidth = bandwidth_cache.get(link)
+                if bandwidth is None:
+                    bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3
+                send_start = max(finish, link_free.get(link, 0.0))
+                arrive = send_start + latency_ms + size / bandwidth
+                link_free[link] = arrive
+                ready[message] = arrive
+                if blocking_sends:
+                    device_time[device] = arrive
+                if record:
+                    transfers.append(Transfer("act" if kind is OpKind.F else "grad", device, target, send_start, arrive, op))
+                woken = waiters.pop(message, None)
                 if woken:
                     queue.extend(woken)
             index += 1

@@ -55,7 +55,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import MemoryModel, iteration_time, simulate
+from octopipe.simulator import MemoryModel, StageCosts, iteration_time, simulate
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
@@ -134,7 +134,10 @@ def _stage_arrays(structure: Structure, costs: CostTable, split: bool):
     weight = [costs.range_sum("weight", a, b) for a, b in pairs] if split else [0.0] * len(pairs)
     backward = [costs.range_sum("backward_input", a, b) for a, b in pairs] if split else full
     activation = [costs.range_sum("activation", a, b) for a, b in pairs]
-    output = [costs.output[b - 1] for _, b in pairs]
+    # what each stage sends its successor (skip tensors move it; their own messages to later
+    # stages are the simulator's, not this scheduler's, to time)
+    output = list(StageCosts.of(structure.boundaries, costs).output) if costs.skips else [
+        costs.output[b - 1] for _, b in pairs]
     return forward, backward, weight, activation, output
 
 

@@ -37,6 +37,31 @@ def test_every_ir_level_is_inspectable_and_round_trips(tmp_path):
         assert "reduce_tied param=embed.weight" in pipe.dump("program")
 
 
+def test_the_simulator_times_the_messages_the_programs_send_skip_tensors_included():
+    # multimodal: the projector's image features skip to every cross-attention layer
+    from octopipe import schedules
+    from octopipe.simulator import stage_costs
+
+    model, x, y = _tiny("multimodal")
+    cluster = ClusterSpec.preset("cpu", num_devices=4)
+    common = dict(example_inputs=x, example_target=y, loss_fn=models.lm_loss, num_microbatches=2, costs="analytic")
+    costs = octopipe.compile(model, cluster, schedule="1f1b", **common).costs
+    (skip,) = costs.skips
+    # cut between the producer and its first reader, and again between its readers: stage 1 sends
+    # the features to stage 2 with its output and to stage 3 directly
+    first, last = skip.consumers[0], skip.consumers[-1]
+    boundaries = [0, skip.producer, first, last, len(costs)]
+    plan = octopipe.PipelinePlan.build(2, boundaries, [0, 1, 2, 3], schedules.device_orders("1f1b", 4, 2),
+                                       num_devices=4)
+    pipe = octopipe.compile(model, cluster, plan=plan, **common)
+    assert stage_costs(pipe.plan, pipe.costs).skips == ((1, 3, float(skip.bytes)),)
+    sent = {(i.kind.value, program.rank, i.peer) for program in pipe.programs for i in program.instructions if i.is_send}
+    simulated = {(f"send_{t.kind}", t.src, t.dst) for t in pipe.simulation.transfers}
+    assert simulated == sent
+    sends = sum(i.is_send for program in pipe.programs for i in program.instructions)
+    assert len(pipe.simulation.transfers) == sends  # one simulated transfer per message
+
+
 def test_saved_plan_skips_the_search_and_gives_the_same_programs(tmp_path):
     model, x, y = _tiny("llama")
     first = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,

@@ -6,7 +6,7 @@ import pytest
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.errors import ClusterSpecError
-from octopipe.ir import TiedParameter
+from octopipe.ir import SkipTensor, TiedParameter
 from octopipe.ir.plan import B, F, OpKind, W
 from octopipe.simulator import MemoryModel, iteration_time, simulate
 
@@ -271,3 +271,80 @@ device 3: 3F0 3B0
     assert second.end_ms - second.start_ms == pytest.approx(3.0)
     assert second.start_ms >= max(result.op_end[B(1, 0)], result.op_end[B(2, 0)])
     assert result.iteration_ms == pytest.approx(max(first.end_ms, second.end_ms))
+
+
+def skip_table(num_layers, skip, output=1_000_000):
+    """Layers of F 1 ms, full B 2 ms, each sending `output` bytes on; `skip` = (from, to, bytes)
+    also leaves layer `from` (its output_bytes counts both, as the cost passes write it)."""
+    source, readers, size = skip
+    return CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0,
+                                output_bytes=output + (size if i == source else 0)) for i in range(num_layers)],
+                     skips=(SkipTensor("features", source, readers, size),))
+
+
+THREE_ON = """plan devices=3 microbatches=1 stages=3
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device={d1}
+stage 2 layers=2:3 device={d2}
+device 0: {ops0}
+device 1: {ops1}
+device 2: {ops2}
+"""
+
+
+def test_a_skip_tensor_past_the_next_stage_is_its_own_message_and_its_gradient_comes_back():
+    # 1 GB/s = 1 MB per ms, no latency: layer 0 sends 1 MB to layer 1 and 6 MB straight to layer 2
+    cluster = ClusterSpec(num_devices=3, intra_node_bandwidth=1e9, latency_s=0.0, message_overhead_ms=0.0)
+    plan = plan_of(THREE_ON.format(d1=1, d2=2, ops0="0F0 0B0", ops1="1F0 1B0", ops2="2F0 2B0"))
+    result = simulate(plan, skip_table(3, (0, (2,), 6_000_000)), cluster)
+    start = {str(op): t for op, t in result.op_start.items()}
+    # F0 0-1; chain 1 MB to device 1 at 2, F1 2-3; the skip reaches device 2 at 7 (after F1's
+    # output at 4), F2 7-8, B2 8-10; its gradients: 1 MB to device 1 at 11 (B1 11-13, on at 14)
+    # and 6 MB to device 0 at 16, which B0 waits for
+    assert start == {"0F0": 0, "1F0": 2, "2F0": 7, "2B0": 8, "1B0": 11, "0B0": 16}
+    assert result.iteration_ms == pytest.approx(18.0)
+    assert sorted((t.kind, t.src, t.dst, round(t.end_ms - t.start_ms, 6)) for t in result.transfers) == [
+        ("act", 0, 1, 1.0), ("act", 0, 2, 6.0), ("act", 1, 2, 1.0),
+        ("grad", 1, 0, 1.0), ("grad", 2, 0, 6.0), ("grad", 2, 1, 1.0)]
+    assert iteration_time(plan, skip_table(3, (0, (2,), 6_000_000)), cluster)[0] == pytest.approx(18.0)
+    # without the skip entry the 7 MB of layer 0's outputs go down the chain (and back): slower
+    plain = CostTable([replace_output(layer) for layer in skip_table(3, (0, (2,), 6_000_000)).layers])
+    assert simulate(plan, plain, cluster).iteration_ms == pytest.approx(25.0)
+
+
+def replace_output(layer):
+    return LayerCost(layer.name, forward_ms=layer.forward_ms, backward_ms=layer.backward_ms,
+                     output_bytes=layer.output_bytes)
+
+
+def test_a_skip_tensor_between_stages_on_one_device_sends_nothing_and_each_message_costs_its_posting():
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=0.0, message_overhead_ms=0.5)
+    costs = skip_table(3, (0, (2,), 6_000_000))
+    v_shape = plan_of(THREE_ON.format(d1=1, d2=0, ops0="0F0 2F0 2B0 0B0", ops1="1F0 1B0", ops2="").replace(
+        "devices=3", "devices=2").replace("device 2: \n", ""))
+    result = simulate(v_shape, costs, cluster)
+    assert sorted((t.kind, t.src, t.dst, round(t.end_ms - t.start_ms, 6)) for t in result.transfers) == [
+        ("act", 0, 1, 1.0), ("act", 1, 0, 1.0), ("grad", 0, 1, 1.0), ("grad", 1, 0, 1.0)]
+    # every op posts one receive and one send (0.5 ms each) except the ends: F0 and B0 only send
+    # or receive; the skip adds none
+    assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(1.5)
+    # on three devices the skip's messages are posted by both ends: F0 sends two, F2 receives two
+    line = plan_of(THREE_ON.format(d1=1, d2=2, ops0="0F0 0B0", ops1="1F0 1B0", ops2="2F0 2B0"))
+    result = simulate(line, costs, ClusterSpec(num_devices=3, intra_node_bandwidth=1e9, latency_s=0.0,
+                                               message_overhead_ms=0.5))
+    assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(2.0)
+    assert result.op_end[F(2, 0)] - result.op_start[F(2, 0)] == pytest.approx(2.0)
+    assert result.op_end[B(0, 0)] - result.op_start[B(0, 0)] == pytest.approx(3.0)
+
+
+def test_a_skip_tensor_from_inside_a_stage_read_by_the_next_stage_rides_with_its_output():
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=0.0, message_overhead_ms=0.0)
+    plan = plan_of("""plan devices=2 microbatches=1 stages=2
+stage 0 layers=0:2 device=0
+stage 1 layers=2:4 device=1
+device 0: 0F0 0B0
+device 1: 1F0 1B0
+""")
+    result = simulate(plan, skip_table(4, (0, (3,), 3_000_000)), cluster)
+    (act,) = [t for t in result.transfers if t.kind == "act"]
+    assert act.end_ms - act.start_ms == pytest.approx(4.0)  # layer 1's 1 MB and layer 0's 3 MB

@@ -15,6 +15,13 @@ sequence symbol `s` where the costs came from analysis.
 gradient once per iteration (the simulator charges that; on one device it is held once). Text
 form: `tied name=... layers=0,9 bytes=...` lines after the layers; files: a `tied` list of
 objects with those keys.
+
+`skips` lists the tensors a layer produces for layers beyond the next one (a vision encoder's
+features read by every cross-attention layer): a layer's `output_bytes` counts all its outputs,
+and a plan whose stages cut such a tensor's path sends it from the producer's stage straight to
+each later stage that reads it (and its gradient back), as the runtime does. Text form:
+`skip name=... from=6 to=10,13 bytes=...` lines after the layers; files: a `skips` list of
+objects with keys name, from, to, bytes.
 """
 
 from __future__ import annotations
@@ -101,12 +108,34 @@ class TiedParameter:
 
 
 @dataclass(frozen=True, slots=True)
+class SkipTensor:
+    """A tensor one layer produces for layers beyond the next one."""
+
+    name: str
+    producer: int
+    """Index of the layer that produces it."""
+    consumers: tuple[int, ...]
+    """Indices of the layers that read it: ascending, after the producer, the last beyond the next layer."""
+    bytes: int
+    """Its size per microbatch (its gradient, sent back, is as big)."""
+
+    def __str__(self) -> str:
+        return "skip " + format_fields([("name", self.name), ("from", self.producer),
+                                        ("to", ",".join(map(str, self.consumers))), ("bytes", self.bytes)])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "from": self.producer, "to": list(self.consumers), "bytes": self.bytes}
+
+
+@dataclass(frozen=True, slots=True)
 class CostTable:
     layers: tuple[LayerCost, ...]
     model: str = ""
     weight_fraction: float = DEFAULT_WEIGHT_FRACTION
     tied: tuple[TiedParameter, ...] = ()
     """Parameters shared by several layers (see the module docstring)."""
+    skips: tuple[SkipTensor, ...] = ()
+    """Tensors that skip layers (see the module docstring)."""
     _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +149,9 @@ class CostTable:
         object.__setattr__(self, "tied", tuple(self.tied))
         for tied in self.tied:
             _check_tied(tied, len(self.layers), f"cost table {self.model!r}: tied parameter {tied.name!r}")
+        object.__setattr__(self, "skips", tuple(self.skips))
+        for skip in self.skips:
+            _check_skip(skip, len(self.layers), f"cost table {self.model!r}: skip tensor {skip.name!r}")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -206,7 +238,8 @@ class CostTable:
         head = "costs " + format_fields(
             [("model", self.model or None), ("weight_fraction", self.weight_fraction), ("layers", len(self.layers))]
         )
-        return "\n".join([head, *(str(layer) for layer in self.layers), *(str(tied) for tied in self.tied)]) + "\n"
+        return "\n".join([head, *(str(layer) for layer in self.layers), *(str(tied) for tied in self.tied),
+                          *(str(skip) for skip in self.skips)]) + "\n"
 
     @classmethod
     def parse(cls, text: str) -> CostTable:
@@ -223,6 +256,7 @@ class CostTable:
         head.done()
         layers = []
         tied: list[TiedParameter] = []
+        skips: list[SkipTensor] = []
         for number, line in lines[1:]:
             keyword, tokens, where = record("layer", line, number)
             if keyword == "tied":
@@ -230,10 +264,16 @@ class CostTable:
                 tied.append(TiedParameter(reader.str("name"), reader.ints("layers"), reader.int("bytes")))
                 reader.done()
                 continue
+            if keyword == "skip":
+                reader = FieldReader(parse_fields(tokens, where), where)
+                skips.append(SkipTensor(reader.str("name"), reader.int("from"), reader.ints("to"), reader.int("bytes")))
+                reader.done()
+                continue
             if keyword != "layer":
-                raise ParseError(f"{where}: expected 'layer ...' or 'tied ...', got {keyword!r}")
-            if tied:
-                raise ParseError(f"{where}: 'layer' line after a 'tied' line; tied parameters come after the layers")
+                raise ParseError(f"{where}: expected 'layer ...', 'tied ...' or 'skip ...', got {keyword!r}")
+            if tied or skips:
+                raise ParseError(f"{where}: 'layer' line after a '{'tied' if tied else 'skip'}' line; tied parameters "
+                                 "and skip tensors come after the layers")
             reader = FieldReader(parse_fields(tokens, where), where)
             layer = LayerCost(
                 name=reader.str("name"),
@@ -255,7 +295,7 @@ class CostTable:
         if len(layers) != count:
             raise ParseError(f"cost table header says layers={count}, found {len(layers)} layer lines")
         try:
-            return cls(tuple(layers), model=model, weight_fraction=weight_fraction, tied=tuple(tied))
+            return cls(tuple(layers), model=model, weight_fraction=weight_fraction, tied=tuple(tied), skips=tuple(skips))
         except CostTableError as exc:
             raise ParseError(str(exc)) from None
 
@@ -268,6 +308,8 @@ class CostTable:
         data["layers"] = [layer.to_dict() for layer in self.layers]
         if self.tied:
             data["tied"] = [tied.to_dict() for tied in self.tied]
+        if self.skips:
+            data["skips"] = [skip.to_dict() for skip in self.skips]
         return data
 
     def to_json(self) -> str:
@@ -307,7 +349,13 @@ class CostTable:
         if not isinstance(raw_tied, list):
             raise CostTableError(f"{source}: 'tied' must be a list of {{name, layers, bytes}} objects, got {type(raw_tied).__name__}")
         tied = tuple(_tied_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_tied))
-        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction), tied=tied)
+        raw_skips = data.get("skips", [])
+        if not isinstance(raw_skips, list):
+            raise CostTableError(f"{source}: 'skips' must be a list of {{name, from, to, bytes}} objects, got "
+                                 f"{type(raw_skips).__name__}")
+        skips = tuple(_skip_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_skips))
+        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction), tied=tied,
+                   skips=skips)
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
@@ -382,6 +430,42 @@ def _tied_from_dict(raw: Any, index: int, source: str, num_layers: int) -> TiedP
     tied = TiedParameter(name, tuple(layers), size)
     _check_tied(tied, num_layers, f"{where} ({name!r})")
     return tied
+
+
+def _skip_from_dict(raw: Any, index: int, source: str, num_layers: int) -> SkipTensor:
+    where = f"{source}: skip {index}"
+    if not isinstance(raw, dict) or set(raw) - {"name", "from", "to", "bytes"}:
+        raise CostTableError(f"{where}: expected an object with keys name, from, to, bytes, got {raw!r}")
+    name, producer, consumers, size = raw.get("name"), raw.get("from"), raw.get("to"), raw.get("bytes")
+    if not isinstance(name, str) or not name:
+        raise CostTableError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    if not isinstance(producer, int) or isinstance(producer, bool):
+        raise CostTableError(f"{where} ({name!r}): 'from' must be a layer index, got {producer!r}")
+    if not isinstance(consumers, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in consumers):
+        raise CostTableError(f"{where} ({name!r}): 'to' must be a list of layer indices, got {consumers!r}")
+    if _is_number(size) and float(size).is_integer():
+        size = int(size)
+    skip = SkipTensor(name, producer, tuple(consumers), size)
+    _check_skip(skip, num_layers, f"{where} ({name!r})")
+    return skip
+
+
+def _check_skip(skip: SkipTensor, num_layers: int, where: str) -> None:
+    if not isinstance(skip.name, str) or not skip.name:
+        raise CostTableError(f"{where}: name must be a non-empty string, got {skip.name!r}")
+    if not 0 <= skip.producer < num_layers:
+        raise CostTableError(f"{where}: producer layer {skip.producer} outside 0..{num_layers - 1}")
+    consumers = list(skip.consumers)
+    if not consumers or consumers != sorted(set(consumers)) or consumers[0] <= skip.producer:
+        raise CostTableError(f"{where}: consumers must be distinct indices in ascending order after the producer "
+                             f"{skip.producer}, got {consumers}")
+    if consumers[-1] >= num_layers:
+        raise CostTableError(f"{where}: consumers {consumers} outside 0..{num_layers - 1}")
+    if consumers[-1] <= skip.producer + 1:
+        raise CostTableError(f"{where}: only read by the next layer ({consumers}): that is the layer's output, "
+                             "not a skip tensor")
+    if not isinstance(skip.bytes, int) or isinstance(skip.bytes, bool) or skip.bytes < 0:
+        raise CostTableError(f"{where}: bytes must be a non-negative integer, got {skip.bytes!r}")
 
 
 def _check_tied(tied: TiedParameter, num_layers: int, where: str) -> None:

@@ -13,11 +13,12 @@ serialized; the text form is what a user reads (`print(graph)`), and parses back
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from octopipe.errors import ParseError
-from octopipe.ir.costs import TiedParameter
+from octopipe.ir.costs import SkipTensor, TiedParameter
 from octopipe.ir.text import FieldReader, format_fields, format_strs, parse_fields, record
 
 
@@ -112,6 +113,12 @@ class LayerGraph:
             size = param.numel() * (param.element_size() if dtype_bytes is None else dtype_bytes)
             tied.append(TiedParameter(shared.name, tuple(sorted(set(shared.layers))), int(size)))
         return tuple(tied)
+
+    def skip_tensors(self, sizes: Mapping[str, int]) -> tuple[SkipTensor, ...]:
+        """The skip edges as cost-table entries (`CostTable.skips`), each sized from `sizes`
+        (edge name -> bytes per microbatch; an edge missing there is left out)."""
+        return tuple(SkipTensor(edge.name, edge.producer, tuple(sorted(set(edge.consumers))), int(sizes[edge.name]))
+                     for edge in self.skip_edges if edge.name in sizes)
 
     def layer_of_node(self) -> dict[str, int]:
         return {node: layer.index for layer in self.layers for node in layer.nodes}

@@ -514,6 +514,8 @@ class LayerWork:
     saved: dict[str, Poly]
     output_bytes: Poly
     param_bytes: Poly
+    edge_bytes: dict[str, Poly] = field(default_factory=dict)
+    """Bytes of each tensor edge this layer produces (their sum is `output_bytes`)."""
 
     def total(self, name: str) -> Poly:
         if name == "activation_bytes":
@@ -1111,12 +1113,14 @@ def _layer_works(
             ops.append(work)
             saved.update(keep)
         output = Poly()
+        edge_bytes = {}
         for edge in graph.edges:
             if edge.producer == layer.index:
                 value = shapes.get(edge.name)
                 if value is not None and value.is_tensor:
-                    output = output + value.numel * _elem_bytes(value.dtype, dtype_bytes)
-        works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes)))
+                    edge_bytes[edge.name] = value.numel * _elem_bytes(value.dtype, dtype_bytes)
+                    output = output + edge_bytes[edge.name]
+        works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes), edge_bytes))
     return works
 
 
@@ -1257,7 +1261,9 @@ def analytic_costs(
                 formulas=formulas,
             )
         )
-    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes))
+    sizes = {name: _to_bytes(poly.evaluate(batch_size, seq)) for work in works for name, poly in work.edge_bytes.items()}
+    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes),
+                     skips=graph.skip_tensors(sizes))
 
 
 _FORMULA_TEXT: dict[Poly, str] = {}

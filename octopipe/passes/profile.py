@@ -76,7 +76,9 @@ def profile_costs(
     layers = []
     for layer, sub in zip(graph.layers, layer_modules(graph)):
         layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs)))
-    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters())
+    sizes = {edge.name: sum(t.numel() * t.element_size() for t in _flat_tensors(captured[edge.name]))
+             for edge in graph.skip_edges if edge.name in captured}
+    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes))
 
 
 # ---------------------------------------------------------------------------- cutting the graph

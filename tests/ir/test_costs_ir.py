@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import sympy
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from octopipe import CostTable, CostTableError, LayerCost, ParseError
-from octopipe.ir import TiedParameter
+from octopipe.ir import SkipTensor, TiedParameter
 from octopipe.ir.costs import DEFAULT_WEIGHT_FRACTION
 
 
@@ -94,7 +95,15 @@ def tables(draw):
         for number in range(draw(st.integers(0, 2))):
             members = draw(st.lists(st.integers(0, len(layers) - 1), min_size=2, max_size=len(layers), unique=True))
             tied.append(TiedParameter(draw(names) + f"#{number}", tuple(sorted(members)), draw(st.integers(0, 2**40))))
-    return CostTable(tuple(layers), model=model, weight_fraction=draw(st.floats(0, 1, allow_nan=False)), tied=tuple(tied))
+    skips = []
+    if len(layers) >= 3:
+        for number in range(draw(st.integers(0, 2))):
+            producer = draw(st.integers(0, len(layers) - 3))
+            readers = draw(st.lists(st.integers(producer + 1, len(layers) - 1), min_size=1, max_size=3, unique=True))
+            readers = sorted(set(readers) | {draw(st.integers(producer + 2, len(layers) - 1))})
+            skips.append(SkipTensor(draw(names) + f"#{number}", producer, tuple(readers), draw(st.integers(0, 2**40))))
+    return CostTable(tuple(layers), model=model, weight_fraction=draw(st.floats(0, 1, allow_nan=False)), tied=tuple(tied),
+                     skips=tuple(skips))
 
 
 @given(tables())
@@ -196,6 +205,37 @@ def test_a_measured_full_backward_replaces_b_plus_w_only_for_ops_that_run_them_t
     assert CostTable.from_dict(table.to_dict()) == table
     with pytest.raises(CostTableError, match=r"layer 0 \('l0'\): field 'backward_full_ms' must be a non-negative"):
         CostTable.from_dict({"layers": [{**GOOD, "backward_full_ms": -1.0}]})
+
+
+def test_skip_tensors_round_trip_and_bad_ones_name_the_entry(tmp_path):
+    table = CostTable(small_table().layers, model="m", tied=(TiedParameter("embed.weight", (0, 2), 4096),),
+                      skips=(SkipTensor("vision", 0, (2,), 8192),))
+    text = str(table)
+    assert text.splitlines()[-2:] == ["tied name=embed.weight layers=0,2 bytes=4096",
+                                      "skip name=vision from=0 to=2 bytes=8192"]
+    assert CostTable.parse(text) == table
+    for suffix in (".json", ".yaml"):
+        path = tmp_path / f"t{suffix}"
+        table.save(path)
+        assert CostTable.load(path) == table
+    data = table.to_dict()
+    assert data["skips"] == [{"name": "vision", "from": 0, "to": [2], "bytes": 8192}]
+    for bad, message in (([{"name": "v", "from": 0, "to": [2, 1], "bytes": 1}], "ascending"),
+                         ([{"name": "v", "from": 1, "to": [0, 2], "bytes": 1}], "after the producer"),
+                         ([{"name": "v", "from": 0, "to": [1], "bytes": 1}], "only read by the next layer"),
+                         ([{"name": "v", "from": 0, "to": [9], "bytes": 1}], "outside"),
+                         ([{"name": "v", "from": 5, "to": [9], "bytes": 1}], "producer layer 5 outside"),
+                         ([{"name": "v", "from": 0, "to": [2], "bytes": -1}], "non-negative"),
+                         ([{"name": "v", "from": 0, "to": 2, "bytes": 1}], "list of layer indices"),
+                         ([{"name": "v", "from": 0, "to": [2], "size": 1}], "keys name, from, to, bytes"),
+                         ({"name": "v"}, "must be a list")):
+        with pytest.raises(CostTableError, match=message) as info:
+            CostTable.from_dict({**data, "skips": bad}, source="f.json")
+        assert "f.json" in str(info.value)
+    with pytest.raises(ParseError, match="after a 'skip' line"):
+        CostTable.parse(str(replace(table, tied=())) + "layer name=x forward_ms=1 backward_ms=1\n")
+    with pytest.raises(ParseError, match="outside"):
+        CostTable.parse(text.replace("from=0 to=2", "from=0 to=2,7"))
 
 
 def test_tied_parameters_round_trip_and_bad_ones_name_the_entry(tmp_path):

@@ -169,6 +169,21 @@ def test_a_tied_embedding_and_head_is_one_tied_entry_in_the_training_dtype():
     assert CostTable.parse(str(table)).tied == table.tied
 
 
+def test_a_tensor_read_beyond_the_next_layer_is_a_skip_entry_sized_like_its_shape():
+    graph = tiny_graph("multimodal")
+    table = analytic_costs(graph, H100, batch_size=2, seq_len=32)
+    (edge,) = graph.skip_edges
+    (skip,) = table.skips
+    assert (skip.name, skip.producer, skip.consumers) == (edge.name, edge.producer, tuple(sorted(set(edge.consumers))))
+    elements = 1
+    for size in edge.shape:  # traced with a batch of 2, priced here at a batch of 2
+        elements *= size
+    assert skip.bytes == elements * 2  # bf16
+    assert table[skip.producer].output_bytes >= skip.bytes
+    assert CostTable.parse(str(table)).skips == table.skips
+    assert analytic_costs(graph, H100, batch_size=4, seq_len=32).skips[0].bytes == 2 * skip.bytes
+
+
 def test_seq_dims_say_which_input_dims_are_the_sequence():
     graph = tiny_graph("llama")
     fixed = layer_formulas(graph, seq_dims={"input_ids": None, "target": None})  # a fixed-length model

@@ -45,6 +45,13 @@ def test_profiles_every_layer_of_the_reference_models(name):
     assert [(t.name, t.layers) for t in table.tied] == expected
     assert [t.bytes for t in table.tied] == [dict(model.named_parameters())[n].numel() * 4 for n, _ in expected]
     assert bool(table.tied) == (name == "gemma")
+    # a tensor read beyond the next layer (the multimodal model's image features, read by every
+    # cross-attention layer) is one skip entry, sized from the tensor the run produced
+    assert [(s.name, s.producer, s.consumers) for s in table.skips] == [
+        (e.name, e.producer, tuple(sorted(set(e.consumers)))) for e in graph.skip_edges]
+    assert bool(table.skips) == (name == "multimodal")
+    for skip in table.skips:
+        assert skip.bytes > 0 and table[skip.producer].output_bytes >= skip.bytes
 
 
 class Block(nn.Module):
