@@ -364,6 +364,28 @@ def _run(
     queue = list(range(num_devices - 1, -1, -1))
     bandwidth_cache: dict[tuple[int, int], float] = {}
 
+    def send(message: int, device: int, target: int, size: float, finish: float, op: Op) -> None:
+        """Queue `size` bytes on the link device -> target after `finish`; the message is ready on
+        arrival (and wakes the devices waiting for it, except the chain's, which the caller wakes)."""
+        link = (device, target)
+        bandwidth = bandwidth_cache.get(link)
+        if bandwidth is None:
+            bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3  # bytes per ms
+        send_start = link_free.get(link, 0.0)
+        if finish > send_start:
+            send_start = finish
+        arrive = send_start + latency_ms + size / bandwidth
+        link_free[link] = arrive
+        ready[message] = arrive
+        if blocking_sends:
+            device_time[device] = arrive
+        if record:
+            transfers.append(Transfer("act" if op.kind is OpKind.F else "grad", device, target, send_start, arrive, op))
+        if message >= total:
+            woken = waiters.pop(message, None)
+            if woken:
+                queue.extend(woken)
+
     def fail(device: int, step: int, message: str) -> PlanError:
         return PlanError(f"device {device} step {step}: {message}\n" + render_grid(device_ops, mark=(device, step)))
 
@@ -477,47 +499,17 @@ def _run(
                 if target == device:
                     ready[key] = finish
                 else:
-                    link = (device, target)
-                    bandwidth = bandwidth_cache.get(link)
-                    if bandwidth is None:
-                        bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3  # bytes per ms
-                    send_start = link_free.get(link, 0.0)
-                    if finish > send_start:
-                        send_start = finish
-                    arrive = send_start + latency_ms + size / bandwidth
-                    link_free[link] = arrive
-                    ready[key] = arrive
-                    if blocking_sends:
-                        device_time[device] = arrive
-                    if record:
-                        transfers.append(Transfer("act" if kind is OpKind.F else "grad", device, target, send_start, arrive, op))
+                    send(key, device, target, size, finish, op)
                 woken = waiters.pop(key, None)
                 if woken:
                     queue.extend(woken)
-            if kind is OpKind.F and skip_out[stage]:
-                sends = [(total + 2 * link * num_micro + micro, stage_device[reader], size)
-                         for link, reader, size in skip_out[stage]]
-            elif kind is OpKind.B and skip_in[stage]:
-                sends = [(total + (2 * link + 1) * num_micro + micro, stage_device[source], sc.skips[link][2])
-                         for link, source in skip_in[stage]]
-            else:
-                sends = ()
-            for message, target, size in sends:
-                link = (device, target)
-                bandwidth = bandwidth_cache.get(link)
-                if bandwidth is None:
-                    bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3
-                send_start = max(finish, link_free.get(link, 0.0))
-                arrive = send_start + latency_ms + size / bandwidth
-                link_free[link] = arrive
-                ready[message] = arrive
-                if blocking_sends:
-                    device_time[device] = arrive
-                if record:
-                    transfers.append(Transfer("act" if kind is OpKind.F else "grad", device, target, send_start, arrive, op))
-                woken = waiters.pop(message, None)
-                if woken:
-                    queue.extend(woken)
+            if kind is OpKind.F:
+                for link, reader, size in skip_out[stage]:
+                    send(total + 2 * link * num_micro + micro, device, stage_device[reader], size, finish, op)
+            elif kind is OpKind.B:
+                for link, source in skip_in[stage]:
+                    send(total + (2 * link + 1) * num_micro + micro, device, stage_device[source], sc.skips[link][2],
+                         finish, op)
             index += 1
         pointer[device] = index
 
