@@ -18,6 +18,11 @@ from typing import Any
 import torch
 
 from octopipe.cluster import ClusterSpec
+from octopipe.simulator import StageCosts
+
+Durations = dict[tuple[Any, ...], list[float]]
+"""Instruction durations (ms) by key: (op kind, stage) for compute, (MESSAGE, producer stage,
+consumer stage) for sends and receives."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
 
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = ()
-                  ) -> tuple[list[StepTiming], list[dict[tuple[str, int], list[float]]]]:
+                  ) -> tuple[list[StepTiming], list[Durations]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -69,7 +74,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   for params in ([p for _, p in e.named_parameters()] for e in engines)]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
-    durations: list[dict[tuple[str, int], list[float]]] = [{} for _ in pipes]
+    durations: list[Durations] = [{} for _ in pipes]
     for step in range(warmup + steps):
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
@@ -91,7 +96,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                     if instruction.is_compute:
                         key = (instruction.kind.value, instruction.stage)
                     elif instruction.is_send or instruction.is_recv:
-                        key = (MESSAGE, -1)
+                        key = (MESSAGE, *sorted((instruction.stage, instruction.peer_stage)))  # producer, consumer
                     else:
                         continue
                     durations[index].setdefault(key, []).append((end - begin) * 1e3)
@@ -129,7 +134,7 @@ def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequ
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float
-             ) -> tuple[list[StepTiming], list[list[dict[tuple[str, int], list[float]]]]]:
+             ) -> tuple[list[StepTiming], list[list[Durations]]]:
     from octopipe.runtime import launch
 
     sizes = {pipe.world_size for pipe in pipes}
@@ -180,7 +185,7 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     bandwidth = large / max(one_way[1] - latency, 1e-9)
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
-                   inter_node_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
+                   inter_node_bandwidth=bandwidth, message_copy_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
                    name=f"cpux{num_devices}-measured")
 
 
@@ -232,7 +237,8 @@ def _zero_costs(num_layers: int):
 
 
 MESSAGE = "message"
-"""The durations key (with stage -1) under which a probe's sends and receives are recorded."""
+"""The durations key under which a probe's sends and receives are recorded: (MESSAGE, producer
+stage, consumer stage)."""
 
 
 @dataclass(frozen=True)
@@ -244,12 +250,20 @@ class RuntimeProfile:
     message_overhead_ms: float | None
     """Mean host time of one send or receive instruction in those steps, with real activation
     sizes and both processes busy (None when the probe exchanged no message)."""
+    message_bytes: float | None = None
+    """Mean size of those messages (None: not known)."""
 
     def calibrate(self, cluster: ClusterSpec) -> ClusterSpec:
-        """`cluster` with this profile's per-message host time (unchanged when none was measured)."""
+        """`cluster` with this profile's per-message host time (unchanged when none was measured).
+        A send instruction's time includes the sender's copy of the bytes, which the simulator
+        charges separately where `cluster.message_copy_bandwidth` is set: that copy, half the
+        instructions' share, comes out of the posting time."""
         if self.message_overhead_ms is None:
             return cluster
-        return replace(cluster, message_overhead_ms=self.message_overhead_ms)
+        overhead = self.message_overhead_ms
+        if cluster.message_copy_bandwidth and self.message_bytes:
+            overhead = max(0.0, overhead - self.message_bytes / cluster.message_copy_bandwidth * 1e3 / 2)
+        return replace(cluster, message_overhead_ms=overhead)
 
 
 @dataclass(frozen=True)
@@ -273,13 +287,13 @@ class RuntimeProbe:
         _, durations = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0, timeout_s)
         return self.profile([run for rank in durations for run in rank], op_overhead_ms)
 
-    def profile(self, durations: Sequence[dict[tuple[str, int], list[float]]], op_overhead_ms: float = 0.0
+    def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0
                 ) -> RuntimeProfile:
         """The profile from the instructions' durations (ms) each rank recorded running `pipes`
         (one dict per rank and pipe, in any order): per layer and op kind, the mean over
         microbatches and steps minus `op_overhead_ms` (the simulator adds that per op); per
         message, the mean time of its send and receive instructions."""
-        merged: dict[tuple[str, int], list[float]] = {}
+        merged: Durations = {}
         for run in durations:
             for key, values in run.items():
                 merged.setdefault(key, []).extend(values)
@@ -295,8 +309,15 @@ class RuntimeProbe:
                     backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None)
             for i, layer in enumerate(self.sizes.layers)
         )
-        messages = merged.get((MESSAGE, -1))
-        return RuntimeProfile(costs, statistics.fmean(messages) if messages else None)
+        messages = {key[1:]: values for key, values in merged.items() if key[0] == MESSAGE}
+        if not messages:
+            return RuntimeProfile(costs, None)
+        stages = StageCosts.of(tuple(range(len(self.sizes) + 1)), self.sizes)  # the probe: a stage per layer
+        size_of = {(a, a + 1): size for a, size in enumerate(stages.output)}
+        size_of.update({(a, c): size for a, c, size in stages.skips})
+        count = sum(len(values) for values in messages.values())
+        return RuntimeProfile(costs, sum(sum(values) for values in messages.values()) / count,
+                              sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count)
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

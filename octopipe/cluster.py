@@ -43,6 +43,12 @@ class ClusterSpec:
     device (the transfer itself then runs beside compute). Zero on GPUs (the copy engine does
     the work); on CPU, gloo's posting takes a fraction of a millisecond of the rank's own thread,
     which `octopipe.bench.runtime_profile` measures inside real steps (`RuntimeProfile.calibrate`)."""
+    message_copy_bandwidth: float = 0.0
+    """Bytes/s at which the host's own threads copy a message on each end (0: they do not). On
+    GPUs NCCL's kernels move the bytes; with gloo over TCP between CPU processes the sender's and
+    the receiver's CPU copy every byte, time the ranks' compute loses: each F or B pays
+    bytes / message_copy_bandwidth for every message it sends or receives across devices
+    (`octopipe.bench.calibrate_cpu_cluster` sets it to the measured link bandwidth)."""
     backend: str = "nccl"
     name: str = "custom"
 
@@ -62,6 +68,9 @@ class ClusterSpec:
             raise ClusterSpecError(f"{where}: op_overhead_ms must be in [0, 1000), got {self.op_overhead_ms!r}")
         if not _is_number(self.message_overhead_ms) or not 0 <= self.message_overhead_ms < 1e3:
             raise ClusterSpecError(f"{where}: message_overhead_ms must be in [0, 1000), got {self.message_overhead_ms!r}")
+        if not _is_number(self.message_copy_bandwidth) or not 0 <= self.message_copy_bandwidth < math.inf:
+            raise ClusterSpecError(f"{where}: message_copy_bandwidth must be a finite number >= 0 (bytes/s; 0: no host "
+                                   f"copy), got {self.message_copy_bandwidth!r}")
         if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
             raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
         if self.backend not in ("nccl", "gloo"):
@@ -203,6 +212,7 @@ _GPU_PRESETS: dict[str, dict[str, Any]] = {
                  latency_s=8e-6, peak_flops=312e12, memory_bandwidth=2.0e12, backend="nccl"),
     # One gloo process per "device" on one machine: loopback TCP, a CPU core's worth of flops.
     "cpu": dict(devices_per_node=1024, memory_bytes=4 * GiB, intra_node_bandwidth=2e9, inter_node_bandwidth=2e9,
-                latency_s=5e-5, peak_flops=1e11, memory_bandwidth=2e10, flops_efficiency=0.3, backend="gloo"),
+                latency_s=5e-5, peak_flops=1e11, memory_bandwidth=2e10, flops_efficiency=0.3,
+                message_copy_bandwidth=2e9, backend="gloo"),
 }
 PRESET_EXAMPLES = ("h100x8", "h100x16", "h800x16-roce", "h200x8", "a100x32", "cpux2")

@@ -10,7 +10,10 @@ time in the order the sender produced them, and transfers overlap compute unless
 
 Every compute op also pays the cluster's `op_overhead_ms` (host-side runtime cost per op), plus
 `message_overhead_ms` for each message it receives from or sends to another device (the host
-time of posting it; the transfer itself overlaps compute).
+time of posting it; the transfer itself overlaps compute), plus bytes / `message_copy_bandwidth`
+per such message where the hosts copy messages themselves (gloo between CPU processes: the
+sender's thread writes the bytes at the op's end while they move, the receiver's I/O thread reads
+them, both taking CPU from compute).
 
 Tied parameters (`CostTable.tied`) whose layers sit on two or more devices: their gradient is
 summed by an all-reduce among those devices that starts once each has run its last B/W (where
@@ -342,22 +345,33 @@ def _run(
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
     # an F or B of a stage posts one message per neighbouring stage on another device (F: receive
-    # from the previous, send to the next; B: the reverse), each costing the host its posting time
-    posting = [cluster.message_overhead_ms * ((s > 0 and stage_device[s - 1] != stage_device[s])
-                                              + (s < num_stages - 1 and stage_device[s + 1] != stage_device[s]))
-               for s in range(num_stages)] if cluster.message_overhead_ms else None
-    # skip tensors between stages on different devices: F(c) also waits for each one's message,
-    # B(a) for its gradient. Message keys follow the ops': total + (2 link + 0|1) x micro + m.
-    # (On one device they add nothing: the chain already orders those ops.)
+    # from the previous, send to the next; B: the reverse) and per skip tensor it sends or reads
+    # across devices, each costing the host its posting time and, where the host copies messages
+    # (gloo on CPU), bytes / message_copy_bandwidth; the op's own sends are copied at its end
+    # while their bytes move, so they leave `sending[kind][stage]` ms before the op ends
+    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
+    messages: list[list[tuple[float, bool]]] = [[] for _ in range(num_stages)]  # (bytes, F sends it)
+    for s in range(num_stages - 1):
+        if stage_device[s] != stage_device[s + 1]:
+            messages[s].append((out_bytes[s], True))
+            messages[s + 1].append((out_bytes[s], False))
     skip_in: list[list[tuple[int, int]]] = [[] for _ in range(num_stages)]
     skip_out: list[list[tuple[int, int, float]]] = [[] for _ in range(num_stages)]
     for link, (source, reader, size) in enumerate(sc.skips):
         if stage_device[source] != stage_device[reader]:
             skip_out[source].append((link, reader, size))
             skip_in[reader].append((link, source))
-            if posting is not None:
-                posting[source] += cluster.message_overhead_ms
-                posting[reader] += cluster.message_overhead_ms
+            messages[source].append((size, True))
+            messages[reader].append((size, False))
+    posting: list[float] | None = None
+    sending = ([0.0] * num_stages, [0.0] * num_stages)  # F's, B's
+    if cluster.message_overhead_ms or copy_rate:
+        posting = [0.0] * num_stages
+        for s, stage_messages in enumerate(messages):
+            for size, forward_sends in stage_messages:
+                copy = size / copy_rate if copy_rate else 0.0
+                posting[s] += cluster.message_overhead_ms + copy
+                sending[not forward_sends][s] += copy
     if sc.skips:
         ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops
@@ -495,21 +509,22 @@ def _run(
                 size = out_bytes[stage - 1]
             else:
                 target = -1
+            leave = finish - sending[kind is OpKind.B][stage] if kind is not OpKind.W else finish
             if target >= 0:
                 if target == device:
                     ready[key] = finish
                 else:
-                    send(key, device, target, size, finish, op)
+                    send(key, device, target, size, leave, op)
                 woken = waiters.pop(key, None)
                 if woken:
                     queue.extend(woken)
             if kind is OpKind.F:
                 for link, reader, size in skip_out[stage]:
-                    send(total + 2 * link * num_micro + micro, device, stage_device[reader], size, finish, op)
+                    send(total + 2 * link * num_micro + micro, device, stage_device[reader], size, leave, op)
             elif kind is OpKind.B:
                 for link, source in skip_in[stage]:
                     send(total + (2 * link + 1) * num_micro + micro, device, stage_device[source], sc.skips[link][2],
-                         finish, op)
+                         leave, op)
             index += 1
         pointer[device] = index
 

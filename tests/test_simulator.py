@@ -1,6 +1,7 @@
 """The simulator: timing rules, transfers and links, memory, bubbles, errors, trace."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -184,6 +185,44 @@ def test_cross_device_messages_pay_their_posting_overhead():
     one_device = PipelinePlan.parse(TWO_STAGE.replace("device=1", "device=0").replace("device 1: 1F0 1B0 1F1 1B1\n", "")
                                     .replace("0F0 0F1 0B0 0B1", "0F0 1F0 1B0 0B0 0F1 1F1 1B1 0B1").replace("devices=2", "devices=1"))
     assert simulate(one_device, table(2), cluster).iteration_ms == pytest.approx(12.0)  # hand-offs on one device are free
+
+
+def test_where_hosts_copy_messages_both_ends_pay_the_bytes_and_the_send_leaves_while_it_is_copied():
+    # 2 MB messages, copied by the hosts at 1 GB/s (2 ms per end), moved at 1 GB/s with no latency
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, latency_s=0.0, message_copy_bandwidth=1e9)
+    result = simulate(plan_of(TWO_STAGE), table(2, output=2_000_000), cluster)
+    start = {str(op): t for op, t in result.op_start.items()}
+    end = {str(op): t for op, t in result.op_end.items()}
+    assert end["0F0"] == pytest.approx(3)  # 1 ms of compute, then 2 ms copying its send
+    assert result.transfers[0].start_ms == pytest.approx(1) and result.transfers[0].end_ms == pytest.approx(3)
+    assert start["1F0"] == pytest.approx(3) and end["1F0"] == pytest.approx(6)  # its receive's copy: 2 ms more
+    assert end["1B0"] - start["1B0"] == pytest.approx(2 + 2)  # sends the gradient back
+    assert end["0B0"] - start["0B0"] == pytest.approx(2 + 2)
+    # no host copy (GPUs): the same plan only moves the bytes
+    plain = simulate(plan_of(TWO_STAGE), table(2, output=2_000_000), replace(cluster, message_copy_bandwidth=0.0))
+    assert plain.op_end[F(0, 0)] == pytest.approx(1) and plain.iteration_ms < result.iteration_ms
+    # hand-offs on one device copy nothing
+    assert simulate(plan_of(TWO_STAGE), table(2, output=2_000_000), replace(cluster, intra_node_bandwidth=1e30,
+                                                                               message_copy_bandwidth=1e30)
+                    ).iteration_ms == pytest.approx(9)
+
+
+def test_a_skip_tensor_message_is_copied_by_both_hosts_too():
+    cluster = ClusterSpec(num_devices=3, intra_node_bandwidth=1e30, latency_s=0.0, message_copy_bandwidth=1e9)
+    costs = skip_table(3, (0, (2,), 6_000_000))  # 1 MB to the next layer, 6 MB to layer 2
+    line = plan_of(THREE_ON.format(d1=1, d2=2, ops0="0F0 0B0", ops1="1F0 1B0", ops2="2F0 2B0"))
+    result = simulate(line, costs, cluster)
+    assert result.op_end[F(0, 0)] - result.op_start[F(0, 0)] == pytest.approx(1 + 1 + 6)
+    assert result.op_end[F(1, 0)] - result.op_start[F(1, 0)] == pytest.approx(1 + 1 + 1)
+    assert result.op_end[F(2, 0)] - result.op_start[F(2, 0)] == pytest.approx(1 + 1 + 6)
+    assert result.op_end[B(0, 0)] - result.op_start[B(0, 0)] == pytest.approx(2 + 1 + 6)
+
+
+def test_message_copy_bandwidth_is_validated():
+    for bad in (-1.0, float("inf"), "fast"):
+        with pytest.raises(ClusterSpecError, match="message_copy_bandwidth"):
+            ClusterSpec(num_devices=2, message_copy_bandwidth=bad)
+    assert ClusterSpec.preset("cpux2").message_copy_bandwidth > 0 and ClusterSpec.preset("h100x8").message_copy_bandwidth == 0
 
 
 def test_message_overhead_is_validated():

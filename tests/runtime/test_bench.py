@@ -1,5 +1,7 @@
 """octopipe.bench: the measured-run helpers the demo and the benchmarks rely on."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,7 +53,14 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     assert len(timings) == 1 and len(timings[0].step_ms) == 2  # the probe's own steps are not reported
     costs = profile.costs
     assert 0 < profile.message_overhead_ms < 50  # the probe's two layer groups exchange messages
-    assert profile.calibrate(cluster).message_overhead_ms == profile.message_overhead_ms
+    # the groups meet at one layer boundary: every message is that layer's output
+    last_of_first_group = probe.pipe.plan.placement.index(1) - 1
+    assert profile.message_bytes == probe.sizes.output[last_of_first_group]
+    # a send's time includes the sender's copy, which the simulator charges by message_copy_bandwidth
+    copy_ms = profile.message_bytes / cluster.message_copy_bandwidth * 1e3
+    assert profile.calibrate(cluster).message_overhead_ms == pytest.approx(profile.message_overhead_ms - copy_ms / 2)
+    no_copy = dataclasses.replace(cluster, message_copy_bandwidth=0.0)
+    assert profile.calibrate(no_copy).message_overhead_ms == profile.message_overhead_ms
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
     # the fused probe (1F1B order) times each layer's full backward too
