@@ -12,12 +12,14 @@ ViT + cross-attention multimodal model; CPU-sized configs), 2 processes (gloo, 1
   InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), same batch and microbatches.
 
 All runs of one model share one launch and alternate step by step (ours, then each torch
-schedule), so machine noise hits them alike. A step's time is the slowest rank's; the table gives
+schedule), so machine noise hits them alike; each timed step right after an untimed one of the
+same run, so it runs on hot memory (`--no-rewarm` to time cold turns; see
+`octopipe.bench.measure_many`). A step's time is the slowest rank's; the table gives
 the median of the measured steps, throughput in tokens/s, OctoPipe's speedup over the best
 torch schedule (ratio of medians), and the same speedup taken round by round (torch's step over
 ours in the same round: median and middle half), which shows how far the noise moves it.
 
-    python benchmarks/e2e_vs_torch.py [--steps 8] [--warmup 2] [--models gemma,deepseek,...]
+    python benchmarks/e2e_vs_torch.py [--steps 8] [--warmup 1] [--no-rewarm] [--models gemma,deepseek,...]
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int):
     return built
 
 
-def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int) -> dict:
+def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int, rewarm: bool = True) -> dict:
     torch.manual_seed(0)
     model, inputs, target = _data(name)
     # the compiled pipeline shares parameters with its own copy of the model; torch's chunks use `model`
@@ -148,9 +150,12 @@ def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int)
     failed: dict[str, str] = {key: entry for key, entry in schedules.items() if isinstance(entry, str)}
     for repetition in range(warmup + steps):
         for key, run in list(runs.items()):
-            dist.barrier()
-            start = time.perf_counter()
             try:
+                if rewarm:  # an untimed step first: the timed one runs on hot memory (bench.measure_many)
+                    dist.barrier()
+                    run()
+                dist.barrier()
+                start = time.perf_counter()
                 run()
             except Exception as exc:  # noqa: BLE001
                 failed[key] = f"failed: {type(exc).__name__}: {exc}"[:200]
@@ -165,7 +170,9 @@ def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-rewarm", action="store_true",
+                        help="time each run's first step of its turn (memory it left cold, see bench.measure_many)")
     parser.add_argument("--models", default=",".join(CONFIGS))
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
     args = parser.parse_args()
@@ -185,7 +192,7 @@ def main() -> None:
         result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                 num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)
-        per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup), timeout_s=3600)
+        per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600)
         steps_of = {}
         for key, times in per_rank[0]["times"].items():
             if times:

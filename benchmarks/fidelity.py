@@ -6,7 +6,9 @@ host overhead (`calibrate_cpu_cluster`), profile the layers and the host time of
 a pipelined step of the runtime (`octopipe.bench.runtime_profile`), build several plans from that
 profile (1F1B, ZB-H1, ZB-V, interleaved 1F1B and OctoPipe's own), then measure them all in one launch,
 steps interleaved, with the profiling pipeline itself run as one more pipeline in the same
-rotation (`measure_with_profile`). The predicted step time is `octopipe.simulate` of each plan
+rotation (`measure_with_profile`), each timed step right after an untimed one of the same
+pipeline (`rewarm`: this VM's host reclaims memory a process leaves untouched for a second or
+two, and faulting it back costs up to 0.8 s in one op). The predicted step time is `octopipe.simulate` of each plan
 with the profile that rotation measured: this machine's speed drifts by 10-40% between launches
 minutes apart, so a profile taken earlier predicts the machine of then, not of the run. The
 "earlier" column keeps the prediction from the planning profile for comparison.
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(CONFIGS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--time-limit", type=float, default=10.0, help="planner seconds per model")
+    parser.add_argument("--no-rewarm", action="store_true",
+                        help="time each pipeline's first step of its turn (memory it left cold, see bench.measure_many)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     calibrated = calibrate_cpu_cluster(2)
@@ -70,7 +74,7 @@ def main() -> None:
                                   num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan)
                  for plan in [*plans.values(), plans["1f1b/balanced"]]]
         timings, now = measure_with_profile(pipes, probe, inputs, target, steps=args.steps, warmup=1,
-                                            op_overhead_ms=cluster.op_overhead_ms)
+                                            op_overhead_ms=cluster.op_overhead_ms, rewarm=not args.no_rewarm)
         control = timings.pop()
         pipes.pop()
         floors.append(abs(control.median_ms / timings[0].median_ms - 1))

@@ -63,7 +63,7 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
 
 
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
-                  warmup: int, learning_rate: float, probes: Sequence[bool] = ()
+                  warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False
                   ) -> tuple[list[StepTiming], list[Durations]]:
     import torch.distributed as dist
 
@@ -79,6 +79,11 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
             probe = index < len(probes) and probes[index] and step >= warmup
+            if rewarm:
+                engine.step(inputs, target)
+                if optimizer is not None:
+                    optimizer.step()
+                _clear_grads(engine)
             engine.timeline = [] if probe else None
             dist.barrier()
             start = time.perf_counter()
@@ -113,27 +118,33 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
-                 learning_rate: float = 0.0, timeout_s: float = 600.0) -> list[StepTiming]:
+                 learning_rate: float = 0.0, timeout_s: float = 600.0, rewarm: bool = False) -> list[StepTiming]:
     """Like `measure_steps` for several pipelines of the same world size in one launch, their
-    steps interleaved (A B A B ...): the fair way to compare them on a noisy machine."""
-    return _measure(pipes, (), inputs, target, steps, warmup, learning_rate, timeout_s)[0]
+    steps interleaved (A B A B ...): the fair way to compare them on a noisy machine.
+
+    `rewarm`: each timed step of a pipeline right after an untimed one of its own (A A B B ...),
+    so it runs on hot memory, as a training job's steps do. On a VM whose host reclaims memory a
+    process left untouched for a second or two (this project's CPU machine), a pipeline's turn
+    otherwise starts by faulting its pages back in, at about 20 us per 4 KiB page: up to 0.8 s in
+    one op, on random steps."""
+    return _measure(pipes, (), inputs, target, steps, warmup, learning_rate, timeout_s, rewarm)[0]
 
 
 def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequence[Any], target: Any, *,
                          steps: int = 5, warmup: int = 2, op_overhead_ms: float = 0.0,
-                         timeout_s: float = 600.0) -> tuple[list[StepTiming], RuntimeProfile]:
+                         timeout_s: float = 600.0, rewarm: bool = False) -> tuple[list[StepTiming], RuntimeProfile]:
     """`measure_many` with the runtime profile's pipeline (`runtime_probe`) run as one more
     pipeline in the same rotation: the step timings of `pipes`, and the profile measured in those
     same minutes. Predictions from it are free of the drift of this machine's speed between a
-    profile taken earlier and the measured run."""
+    profile taken earlier and the measured run. `rewarm`: see `measure_many`."""
     extra = len(probe.pipes)
     timings, durations = _measure(list(pipes) + list(probe.pipes), [False] * len(pipes) + [True] * extra, inputs,
-                                  target, steps, warmup, 0.0, timeout_s)
+                                  target, steps, warmup, 0.0, timeout_s, rewarm)
     return timings[:-extra], probe.profile([run for rank in durations for run in rank[-extra:]], op_overhead_ms)
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
-             warmup: int, learning_rate: float, timeout_s: float
+             warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False
              ) -> tuple[list[StepTiming], list[list[Durations]]]:
     from octopipe.runtime import launch
 
@@ -141,7 +152,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
-                                                        learning_rate, tuple(probes)), timeout_s=timeout_s)
+                                                        learning_rate, tuple(probes), rewarm), timeout_s=timeout_s)
     return results[0][0], [durations for _, durations in results]
 
 

@@ -5,8 +5,10 @@ experts make them several times heavier, and a large-vocabulary head), profiles 
 this CPU inside a pipelined step of the runtime (`octopipe.bench.runtime_profile`), plans it
 for a local "cluster" of 2 gloo processes (link measured by a ping-pong), prints the report
 (OctoPipe vs every baseline, predicted), then trains a few steps with the OctoPipe plan and with
-the best baseline — steps interleaved so machine noise hits both alike, and with the profiling
-pipeline in the same rotation so the predictions use this minute's speed of the machine — and
+the best baseline — steps interleaved so machine noise hits both alike, each timed step right
+after an untimed one of the same plan (memory hot, see `octopipe.bench.measure_many`), and with
+the profiling pipeline in the same rotation so the predictions use this minute's speed of the
+machine — and
 prints measured step times beside the predictions, the measured speedup, and where the timeline
 pictures are.
 """
@@ -86,10 +88,11 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
         rows.append(("1f1b/uniform (Megatron default)", baseline("1f1b/uniform")))
     # the profiling pipeline runs in the same rotation: "predicted" uses the costs of these very
     # minutes (this machine's speed drifts between launches); "planned" is the planning profile's
+    rewarm = "; each timed step right after an untimed one of its plan" if not quick else ""
     say(f"\ntraining {steps} steps of each plan (interleaved with each other and with the profiling pipelines, "
-        "after one warm-up step) ...")
+        f"after one warm-up step{rewarm}) ...")
     timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
-                                        op_overhead_ms=cluster.op_overhead_ms)
+                                        op_overhead_ms=cluster.op_overhead_ms, rewarm=not quick)
     predictions = [octopipe.simulate(pipe.plan, now.costs, now.calibrate(cluster)).iteration_ms for _, pipe in rows]
     say(f"{'plan':<36} {'planned ms':>10} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   losses")
     for (name, pipe), timing, predicted in zip(rows, timings, predictions):

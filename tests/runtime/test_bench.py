@@ -125,6 +125,25 @@ def test_a_rank_without_stages_trains_alongside_the_others():
     assert timing.losses[1] < timing.losses[0]  # the optimizer stepped on the ranks that hold parameters
 
 
+def test_rewarm_times_the_second_of_two_back_to_back_steps():
+    import octopipe
+    from octopipe.bench import measure_many
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    cluster = octopipe.ClusterSpec.preset("cpux2")
+    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                            num_microbatches=2, quiet=True)
+    every = measure_many([pipe], inputs, target, steps=4, warmup=0, learning_rate=0.1)[0]
+    rewarmed = measure_many([pipe], inputs, target, steps=2, warmup=0, learning_rate=0.1, rewarm=True)[0]
+    assert len(rewarmed.step_ms) == 2
+    # each timed step follows an untimed training step of its own: the 2nd and 4th of a plain run
+    assert rewarmed.losses == pytest.approx((every.losses[1], every.losses[3]), rel=1e-6)
+    assert every.losses[3] < every.losses[0]
+
+
 def _one_rank_fails(rank, world_size):
     import torch.distributed as dist
 
