@@ -75,24 +75,26 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
+
+    def after_step(engine: Any, optimizer: Any) -> None:
+        if optimizer is not None:
+            optimizer.step()
+        _clear_grads(engine)
+
     for step in range(warmup + steps):
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
             probe = index < len(probes) and probes[index] and step >= warmup
             if rewarm:
                 engine.step(inputs, target)
-                if optimizer is not None:
-                    optimizer.step()
-                _clear_grads(engine)
+                after_step(engine, optimizer)
             engine.timeline = [] if probe else None
             dist.barrier()
             start = time.perf_counter()
             loss = engine.step(inputs, target)
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
-            if optimizer is not None:
-                optimizer.step()
-            _clear_grads(engine)
+            after_step(engine, optimizer)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))

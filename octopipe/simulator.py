@@ -344,34 +344,39 @@ def _run(
     keep_fraction = memory.weight_memory_fraction
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
-    # an F or B of a stage posts one message per neighbouring stage on another device (F: receive
-    # from the previous, send to the next; B: the reverse) and per skip tensor it sends or reads
-    # across devices, each costing the host its posting time and, where the host copies messages
-    # (gloo on CPU), bytes / message_copy_bandwidth; the op's own sends are copied at its end
-    # while their bytes move, so they leave `sending[kind][stage]` ms before the op ends
-    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
-    messages: list[list[tuple[float, bool]]] = [[] for _ in range(num_stages)]  # (bytes, F sends it)
-    for s in range(num_stages - 1):
-        if stage_device[s] != stage_device[s + 1]:
-            messages[s].append((out_bytes[s], True))
-            messages[s + 1].append((out_bytes[s], False))
+    # skip tensors between stages on different devices: F(c) also waits for each one's message,
+    # B(a) for its gradient. Message keys follow the ops': total + (2 link + 0|1) x micro + m.
+    # (On one device they add nothing: the chain already orders those ops.)
     skip_in: list[list[tuple[int, int]]] = [[] for _ in range(num_stages)]
     skip_out: list[list[tuple[int, int, float]]] = [[] for _ in range(num_stages)]
     for link, (source, reader, size) in enumerate(sc.skips):
         if stage_device[source] != stage_device[reader]:
             skip_out[source].append((link, reader, size))
             skip_in[reader].append((link, source))
-            messages[source].append((size, True))
-            messages[reader].append((size, False))
+    # an F or B of a stage posts one message per neighbouring stage on another device (F: receive
+    # from the previous, send to the next; B: the reverse) and per skip tensor it sends or reads
+    # across devices, each costing the host its posting time and, where the host copies messages
+    # (gloo on CPU), bytes / message_copy_bandwidth; the op's own sends are copied at its end
+    # while their bytes move, so they leave `sending[is B][stage]` ms before the op ends
+    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
     posting: list[float] | None = None
-    sending = ([0.0] * num_stages, [0.0] * num_stages)  # F's, B's
+    sending: tuple[list[float], list[float]] | None = None  # F's, B's (None: no host copy)
     if cluster.message_overhead_ms or copy_rate:
+        messages: list[tuple[int, float, bool]] = []  # (stage, bytes, its F sends them)
+        for s in range(num_stages - 1):
+            if stage_device[s] != stage_device[s + 1]:
+                messages += [(s, out_bytes[s], True), (s + 1, out_bytes[s], False)]
+        for source, reader, size in sc.skips:
+            if stage_device[source] != stage_device[reader]:
+                messages += [(source, size, True), (reader, size, False)]
         posting = [0.0] * num_stages
-        for s, stage_messages in enumerate(messages):
-            for size, forward_sends in stage_messages:
-                copy = size / copy_rate if copy_rate else 0.0
-                posting[s] += cluster.message_overhead_ms + copy
-                sending[not forward_sends][s] += copy
+        if copy_rate:
+            sending = ([0.0] * num_stages, [0.0] * num_stages)
+        for s, size, forward_sends in messages:
+            posting[s] += cluster.message_overhead_ms
+            if sending is not None:
+                posting[s] += size / copy_rate
+                sending[not forward_sends][s] += size / copy_rate
     if sc.skips:
         ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops
@@ -509,7 +514,7 @@ def _run(
                 size = out_bytes[stage - 1]
             else:
                 target = -1
-            leave = finish - sending[kind is OpKind.B][stage] if kind is not OpKind.W else finish
+            leave = finish if sending is None or kind is OpKind.W else finish - sending[kind is OpKind.B][stage]
             if target >= 0:
                 if target == device:
                     ready[key] = finish
