@@ -187,7 +187,7 @@ def main() -> None:
     for name in args.models.split(","):
         model, inputs, target = _data(name)
         profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
-                                  op_overhead_ms=calibrated.op_overhead_ms)
+                                  op_overhead_ms=calibrated.op_overhead_ms, rewarm=not args.no_rewarm)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
         result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,

@@ -3,7 +3,8 @@ plans on 2 CPU processes (gloo), with costs from `profile` on this machine.
 
 For each model (the CPU configs of benchmarks/cpu_models.py): calibrate the link and the per-op
 host overhead (`calibrate_cpu_cluster`), profile the layers and the host time of a message inside
-a pipelined step of the runtime (`octopipe.bench.runtime_profile`), build several plans from that
+a pipelined step of the runtime (`octopipe.bench.runtime_profile`, each timed step after an untimed
+one, as below), build several plans from that
 profile (1F1B, ZB-H1, ZB-V, interleaved 1F1B and OctoPipe's own), then measure them all in one launch,
 steps interleaved, with the profiling pipeline itself run as one more pipeline in the same
 rotation (`measure_with_profile`), each timed step right after an untimed one of the same
@@ -62,7 +63,7 @@ def main() -> None:
     for name in args.models.split(","):
         model, inputs, target = build(name)
         probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
-        profile = probe.run(inputs, target, op_overhead_ms=calibrated.op_overhead_ms)
+        profile = probe.run(inputs, target, op_overhead_ms=calibrated.op_overhead_ms, rewarm=not args.no_rewarm)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
         plans = {}
         for schedule in SCHEDULES:

@@ -295,9 +295,11 @@ class RuntimeProbe:
         return (self.pipe,) if self.fused is None else (self.pipe, self.fused)
 
     def run(self, inputs: Sequence[Any], target: Any, *, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
-            timeout_s: float = 600.0) -> RuntimeProfile:
-        """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile."""
-        _, durations = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0, timeout_s)
+            timeout_s: float = 600.0, rewarm: bool = True) -> RuntimeProfile:
+        """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile.
+        `rewarm` (see `measure_many`): each timed step right after an untimed one of the same pipe."""
+        _, durations = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0, timeout_s,
+                                rewarm)
         return self.profile([run for rank in durations for run in rank], op_overhead_ms)
 
     def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0
@@ -374,7 +376,7 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
 
 def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
                     num_procs: int = 2, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
-                    schedule: str = "zb-h1", timeout_s: float = 600.0) -> RuntimeProfile:
+                    schedule: str = "zb-h1", timeout_s: float = 600.0, rewarm: bool = True) -> RuntimeProfile:
     """Per-layer F, B, W and full-backward times and the per-message host time measured by the
     runtime itself, inside real pipelined steps (`runtime_probe(...).run(...)`: its pipelines run
     alone for `warmup + steps` steps each, alternating; build the probe yourself to run it again
@@ -390,6 +392,10 @@ def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any
     same layer's B plus deferred W on this machine, so both are kept. This is the CPU profile the
     demo and the benchmarks use: on this machine the layer-in-a-loop profile of `profile_costs`
     runs 1.3-1.5x faster than the same layers inside a step, and a one-rank loop of every layer
-    about 1.25x faster in the forward."""
+    about 1.25x faster in the forward. `rewarm` (default on): each timed step right after an
+    untimed one of the same pipe (see `measure_many`); without it, the first step of a pipe's
+    turn faulted cold memory back in, and one such op (a 16 MB logits gradient, say) could inflate
+    a layer's mean 3-4x."""
     probe = runtime_probe(model, inputs, target, loss_fn, num_microbatches, num_procs=num_procs, schedule=schedule)
-    return probe.run(inputs, target, steps=steps, warmup=warmup, op_overhead_ms=op_overhead_ms, timeout_s=timeout_s)
+    return probe.run(inputs, target, steps=steps, warmup=warmup, op_overhead_ms=op_overhead_ms, timeout_s=timeout_s,
+                     rewarm=rewarm)

@@ -57,7 +57,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     say(f"link: {cluster.latency_s * 1e6:.0f} us latency, {cluster.intra_node_bandwidth / 1e9:.2f} GB/s (measured)")
     # the profiling pipelines run now, for the plan, and again beside the measured plans below
     probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES, num_procs=NUM_DEVICES)
-    profile = probe.run(inputs, target, op_overhead_ms=cluster.op_overhead_ms)
+    profile = probe.run(inputs, target, op_overhead_ms=cluster.op_overhead_ms, rewarm=not quick)
     costs, cluster = profile.costs, profile.calibrate(cluster)
     say(f"profiled {len(costs)} layers inside pipelined steps: " + ", ".join(f"{layer.name} {layer.forward_ms + layer.backward_ms:.1f}" for layer in costs)
         + " (F+B ms per microbatch)")

@@ -144,6 +144,23 @@ def test_rewarm_times_the_second_of_two_back_to_back_steps():
     assert every.losses[3] < every.losses[0]
 
 
+def test_probe_records_only_the_timed_steps_when_rewarmed():
+    from octopipe.bench import _measure, runtime_probe
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    probe = runtime_probe(model, inputs, target, models.lm_loss, 2, fused=False)
+    for rewarm in (False, True):
+        _, durations = _measure([probe.pipe], [True], inputs, target, 2, 1, 0.0, 120.0, rewarm)
+        forwards = [len(run[("forward", stage)]) for rank in durations for run in rank
+                    for stage in range(len(probe.sizes)) if ("forward", stage) in run]
+        # 2 timed steps x 2 microbatches per layer: neither the warm-up nor the untimed rewarm
+        # steps leak into the profile
+        assert forwards and set(forwards) == {4}, (rewarm, forwards)
+
+
 def _one_rank_fails(rank, world_size):
     import torch.distributed as dist
 
