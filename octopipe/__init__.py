@@ -1,7 +1,7 @@
 """OctoPipe: a pipeline-parallel training compiler that co-optimizes partition, placement and
 schedule for heterogeneous models. The public names are below; see DESIGN.md."""
 
-from octopipe import schedules
+from octopipe import profiles, schedules
 from octopipe.api import Pipeline, PlanResult, compile, plan
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import (
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
-    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "trace", "runtime",
+    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "profiles", "trace", "runtime",
     "OctopipeError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
     "InfeasibleError", "VerificationError", "ExecutionError",
 ]

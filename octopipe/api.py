@@ -65,6 +65,11 @@ def plan(
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
     say = progress if progress is not None else (None if quiet else _stderr)
+    if activation_limit is not None and not costs.has_memory_info:
+        raise PlanError(f"plan: activation_limit={activation_limit!r} but the cost table{_named(costs)} has no "
+                        "activation_bytes, so no plan could exceed it; fill them (octopipe.profiles.load_profile "
+                        "for a published profile, CLI --costs fills them itself; analytic_costs or profile_costs "
+                        "for a model) or drop the limit")
     memory_limit = cluster.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
     stage_seconds: dict[str, float] = {}
 
@@ -178,6 +183,10 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         )
     if not time_limit_s > 0:
         raise PlanError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+
+
+def _named(costs: CostTable) -> str:
+    return f" of {costs.model}" if costs.model else ""
 
 
 def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimResult]) -> float | None:

@@ -139,7 +139,9 @@ def _costs_from(args: argparse.Namespace, cluster):
     if args.costs and args.model:
         raise OctopipeError("give --costs FILE or --model, not both")
     if args.costs:
-        return CostTable.load(args.costs), None
+        return _cost_table(args.costs, args.hidden_size), None
+    if args.hidden_size is not None:
+        raise OctopipeError("--hidden-size is for a profile given with --costs; a --model's costs carry their bytes")
     if not args.model:
         raise OctopipeError("give --costs FILE (a cost table) or --model NAME|module:factory")
     from octopipe.passes.codegen import microbatch
@@ -157,8 +159,42 @@ def _costs_from(args: argparse.Namespace, cluster):
     return analytic_costs(graph, cluster, batch_size=int(micro[0].shape[0])), graph
 
 
+def _cost_table(path: str, hidden_size: int | None):
+    """--costs FILE: a cost table, or a published profile (data/profiles/) with its activation and
+    message bytes filled (octopipe.profiles; the hidden size of the four published models is known)."""
+    import json
+
+    from octopipe import profiles
+    from octopipe.errors import OctopipeError
+    from octopipe.ir.costs import CostTable
+
+    data = None
+    if not path.endswith((".yaml", ".yml")):
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            data = None  # CostTable.load says what is wrong with the file
+    if not profiles.is_profile(data):
+        if hidden_size is not None:
+            raise OctopipeError(f"--hidden-size: {path} is a cost table, not a profile; its bytes are its own")
+        return CostTable.load(path)
+    model = str(data.get("model", ""))
+    if hidden_size is None and model not in profiles.HIDDEN_SIZE:
+        print(f"note: {path}: profile of {model!r} with no hidden size known: no activation or message bytes "
+              "(memory limits cannot be planned); give --hidden-size to fill them", file=sys.stderr)
+        return CostTable.load(path)
+    costs = profiles.load_profile(path, hidden_size=hidden_size)
+    hidden = hidden_size or profiles.HIDDEN_SIZE[model]
+    print(f"note: {path}: profile of {model!r}; activation and message bytes filled for hidden size {hidden}, "
+          f"sequence {data['seq_len']}, bf16 (octopipe.profiles)", file=sys.stderr)
+    return costs
+
+
 def _add_costs_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in DESIGN.md)")
+    p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in DESIGN.md), or a profile "
+                   "from data/profiles/ (activation and message bytes filled from the model's hidden size)")
+    p.add_argument("--hidden-size", type=int, default=None, metavar="H",
+                   help="hidden size for a --costs profile of a model not among the four published ones")
     p.add_argument("--model", metavar="NAME|module:factory",
                    help="a built-in model (llama, gemma, deepseek, nemotron-h, multimodal) or a factory")
     p.add_argument("--size", default="tiny", choices=("tiny", "paper"), help="built-in model size (paper: on the meta device)")

@@ -83,3 +83,31 @@ def test_train_runs_locally_and_losses_fall():
     assert proc.returncode == 0, proc.stderr
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, capsys):
+    code = main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
+                 "--quiet", "--no-solver", "--activation-limit", "1f1b"])
+    assert code == EXIT_OK
+    captured = capsys.readouterr()
+    assert "hidden size 2880" in captured.err and "cannot bind" not in captured.out
+    # the report's activation column: real GiB, not zeros
+    line = next(row for row in captured.out.splitlines() if row.startswith(" 1f1b/balanced"))
+    assert float(line.split()[4]) > 0.5
+    # a profile of a model whose hidden size is unknown: said, and a memory limit is refused
+    other = json.loads(PROFILE.read_text())
+    other["model"] = "someone-else-7B"
+    unknown = tmp_path / "other.json"
+    unknown.write_text(json.dumps(other))
+    assert main(["plan", "--costs", str(unknown), "--devices", "4", "--microbatches", "8", "--quiet",
+                 "--activation-limit", "1f1b"]) == EXIT_INVALID_PLAN  # plan's argument errors (PlanError)
+    err = capsys.readouterr().err
+    assert "--hidden-size" in err and "no activation_bytes" in err
+    assert main(["plan", "--costs", str(unknown), "--hidden-size", "2880", "--devices", "4", "--microbatches", "8",
+                 "--time-limit", "4", "--quiet", "--no-solver", "--activation-limit", "1f1b"]) == EXIT_OK
+    assert "hidden size 2880" in capsys.readouterr().err
+    # --hidden-size on a cost table that carries its own bytes is a mistake, not ignored
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"layers": [{"name": f"l{i}", "forward_ms": 1, "backward_ms": 2} for i in range(4)]}))
+    assert main(["plan", "--costs", str(table), "--hidden-size", "64", "--devices", "2", "--quiet"]) == EXIT_ERROR
+    assert "not a profile" in capsys.readouterr().err

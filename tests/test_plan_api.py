@@ -145,6 +145,10 @@ def test_bad_arguments_fail_clearly():
         octopipe.plan(costs, cluster.with_devices(2), 0, quiet=True)
     with pytest.raises(octopipe.PlanError, match="activation_limit"):
         octopipe.plan(costs, cluster.with_devices(2), 4, activation_limit="2f2b", quiet=True)
+    # a limit on activations the table does not have would bind nothing: refused, with the fix
+    bare = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)], model="bare")
+    with pytest.raises(octopipe.PlanError, match=r"of bare has no activation_bytes[\s\S]*octopipe.profiles"):
+        octopipe.plan(bare, cluster.with_devices(2), 4, activation_limit="1f1b", quiet=True)
 
 
 def test_homogeneous_table_is_never_worse_than_the_best_fitting_baseline():
