@@ -158,25 +158,29 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     return results[0][0], [durations for _, durations in results]
 
 
-def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -> list[float]:
+def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int, rounds: int = 1
+                     ) -> list[float]:
+    """One-way time of each message size: the median of `repeats` ping-pongs, in each of
+    `rounds` rounds (sizes alternating), and the least of the round medians."""
     import torch.distributed as dist
 
-    out = []
-    for size in sizes:
-        buffer = torch.zeros(size // 4, dtype=torch.float32)
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            samples.append((time.perf_counter() - start) / 2)
-        out.append(statistics.median(samples))
-    return out
+    buffers = [torch.zeros(size // 4, dtype=torch.float32) for size in sizes]
+    medians: list[list[float]] = [[] for _ in sizes]
+    for _ in range(rounds):
+        for index, buffer in enumerate(buffers):
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(buffer, 1)
+                    dist.recv(buffer, 1)
+                else:
+                    dist.recv(buffer, 0)
+                    dist.send(buffer, 0)
+                samples.append((time.perf_counter() - start) / 2)
+            medians[index].append(statistics.median(samples))
+    return [min(values) for values in medians]
 
 
 def _clear_grads(engine: Any) -> None:
@@ -186,14 +190,16 @@ def _clear_grads(engine: Any) -> None:
 
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     """The local gloo 'cluster' with latency and bandwidth measured by a ping-pong between two
-    processes (one small and one 4 MB message) and the runtime's per-op overhead measured by
+    processes (one small and one 4 MB message; the least median of 3 rounds, as a round now and
+    then lands on a moment this VM is busy elsewhere: one such round measured 3.2 ms where 0.1 ms
+    is usual) and the runtime's per-op overhead measured by
     running a model of tiny layers as 1 stage and as one stage per layer on one process. The host
     time of a message depends on the model's activation sizes: `RuntimeProfile.calibrate` sets it
     from the profiled steps."""
     from octopipe.runtime import launch
 
     small, large = 4, 4 * 2**20
-    one_way = launch(_pingpong_worker, 2, args=((small, large), 20))[0]
+    one_way = launch(_pingpong_worker, 2, args=((small, large), 20, 3))[0]
     latency = max(one_way[0], 1e-6)
     bandwidth = large / max(one_way[1] - latency, 1e-9)
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)

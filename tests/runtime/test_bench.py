@@ -161,6 +161,19 @@ def test_probe_records_only_the_timed_steps_when_rewarmed():
         assert forwards and set(forwards) == {4}, (rewarm, forwards)
 
 
+def test_calibrated_cpu_cluster_has_a_measured_link_and_op_overhead():
+    from octopipe.bench import _pingpong_worker, calibrate_cpu_cluster
+    from octopipe.runtime import launch
+
+    small, large = launch(_pingpong_worker, 2, args=((4, 2**20), 5, 2))[0]
+    assert 0 < small < large  # one-way times: the 1 MiB message takes longer
+    cluster = calibrate_cpu_cluster(2)
+    assert cluster.num_devices == 2 and cluster.backend == "gloo"
+    assert 0 < cluster.latency_s < 0.05 and cluster.intra_node_bandwidth > 1e7
+    assert cluster.message_copy_bandwidth == cluster.intra_node_bandwidth  # hosts copy gloo messages themselves
+    assert 0 <= cluster.op_overhead_ms < 5
+
+
 def _one_rank_fails(rank, world_size):
     import torch.distributed as dist
 
