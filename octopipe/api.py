@@ -70,6 +70,10 @@ def plan(
                         "activation_bytes, so no plan could exceed it; fill them (octopipe.profiles.load_profile "
                         "for a published profile, CLI --costs fills them itself; analytic_costs or profile_costs "
                         "for a model) or drop the limit")
+    if memory_limit_bytes is not None and not costs.has_memory_info and not any(costs.params):
+        raise PlanError(f"plan: memory_limit_bytes={memory_limit_bytes!r} but the cost table{_named(costs)} has "
+                        "neither activation_bytes nor param_bytes, so no plan could exceed it; fill them or drop "
+                        "the limit")
     memory_limit = cluster.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
     stage_seconds: dict[str, float] = {}
 

@@ -149,6 +149,8 @@ def test_bad_arguments_fail_clearly():
     bare = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)], model="bare")
     with pytest.raises(octopipe.PlanError, match=r"of bare has no activation_bytes[\s\S]*octopipe.profiles"):
         octopipe.plan(bare, cluster.with_devices(2), 4, activation_limit="1f1b", quiet=True)
+    with pytest.raises(octopipe.PlanError, match="neither activation_bytes nor param_bytes"):
+        octopipe.plan(bare, cluster.with_devices(2), 4, memory_limit_bytes=2**30, quiet=True)
 
 
 def test_homogeneous_table_is_never_worse_than_the_best_fitting_baseline():
