@@ -134,7 +134,6 @@ def _overrides(items: list[str]) -> dict[str, Any]:
 def _costs_from(args: argparse.Namespace, cluster):
     """A CostTable from --costs FILE, or the analytic/profiled costs of --model."""
     from octopipe.errors import OctopipeError
-    from octopipe.ir.costs import CostTable
 
     if args.costs and args.model:
         raise OctopipeError("give --costs FILE or --model, not both")
