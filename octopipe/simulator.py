@@ -33,6 +33,7 @@ Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a fe
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -292,6 +293,35 @@ class SimResult:
         return "\n".join(lines)
 
 
+def message_host_ms(sc: StageCosts, stage_device: Sequence[int], cluster: ClusterSpec
+                    ) -> tuple[list[float] | None, tuple[list[float], list[float]] | None]:
+    """Host time each stage's F and B spend on their cross-device messages (`posting`, per stage;
+    None when messages cost the host nothing, as on the GPU presets), and of that the time spent
+    copying the op's own sends (`sending`: F's, B's per stage; None where hosts do not copy).
+    An F or B posts one message per neighbouring stage on another device (F: receive from the
+    previous, send to the next; B: the reverse) and one per skip tensor it sends or reads across
+    devices; each costs `message_overhead_ms` and, where hosts copy (gloo on CPU), bytes /
+    `message_copy_bandwidth`. Shared by the simulator and the tuner's list scheduler."""
+    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
+    if not (cluster.message_overhead_ms or copy_rate):
+        return None, None
+    num_stages = len(stage_device)
+    messages: list[tuple[int, float, bool]] = []  # (stage, bytes, its F sends them)
+    for s in range(num_stages - 1):
+        if stage_device[s] != stage_device[s + 1]:
+            messages += [(s, sc.output[s], True), (s + 1, sc.output[s], False)]
+    for source, reader, size in sc.skips:
+        if stage_device[source] != stage_device[reader]:
+            messages += [(source, size, True), (reader, size, False)]
+    posting = [0.0] * num_stages
+    sending = ([0.0] * num_stages, [0.0] * num_stages) if copy_rate else None
+    for s, size, forward_sends in messages:
+        posting[s] += cluster.message_overhead_ms
+        if sending is not None:
+            posting[s] += size / copy_rate
+            sending[not forward_sends][s] += size / copy_rate
+    return posting, sending
+
 def simulate(
     plan: PipelinePlan,
     costs: CostTable,
@@ -353,30 +383,9 @@ def _run(
         if stage_device[source] != stage_device[reader]:
             skip_out[source].append((link, reader, size))
             skip_in[reader].append((link, source))
-    # an F or B of a stage posts one message per neighbouring stage on another device (F: receive
-    # from the previous, send to the next; B: the reverse) and per skip tensor it sends or reads
-    # across devices, each costing the host its posting time and, where the host copies messages
-    # (gloo on CPU), bytes / message_copy_bandwidth; the op's own sends are copied at its end
-    # while their bytes move, so they leave `sending[is B][stage]` ms before the op ends
-    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
-    posting: list[float] | None = None
-    sending: tuple[list[float], list[float]] | None = None  # F's, B's (None: no host copy)
-    if cluster.message_overhead_ms or copy_rate:
-        messages: list[tuple[int, float, bool]] = []  # (stage, bytes, its F sends them)
-        for s in range(num_stages - 1):
-            if stage_device[s] != stage_device[s + 1]:
-                messages += [(s, out_bytes[s], True), (s + 1, out_bytes[s], False)]
-        for source, reader, size in sc.skips:
-            if stage_device[source] != stage_device[reader]:
-                messages += [(source, size, True), (reader, size, False)]
-        posting = [0.0] * num_stages
-        if copy_rate:
-            sending = ([0.0] * num_stages, [0.0] * num_stages)
-        for s, size, forward_sends in messages:
-            posting[s] += cluster.message_overhead_ms
-            if sending is not None:
-                posting[s] += size / copy_rate
-                sending[not forward_sends][s] += size / copy_rate
+    # host time of each F and B's messages (see message_host_ms); the op's own sends are copied
+    # at its end while their bytes move, so they leave `sending[is B][stage]` ms before it ends
+    posting, sending = message_host_ms(sc, stage_device, cluster)
     if sc.skips:
         ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops

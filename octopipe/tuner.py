@@ -55,7 +55,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import MemoryModel, StageCosts, iteration_time, simulate
+from octopipe.simulator import MemoryModel, StageCosts, iteration_time, message_host_ms, simulate
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
@@ -188,6 +188,14 @@ def list_schedule(
     forward, backward, weight, activation, output = _stage_arrays(structure, costs, policy.split_backward)
     num_stages, num_devices, m = structure.num_stages, structure.num_devices, num_microbatches
     placement = structure.placement
+    # where messages cost the host time (gloo on CPU), an F or B takes that much longer, as the
+    # simulator charges it; none on the GPU presets
+    posting = None
+    if cluster.message_overhead_ms or cluster.message_copy_bandwidth:
+        posting, _ = message_host_ms(StageCosts.of(structure.boundaries, costs), placement, cluster)
+    if posting is not None:
+        forward = [f + extra for f, extra in zip(forward, posting)]
+        backward = [b + extra for b, extra in zip(backward, posting)]
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
     keep = memory.weight_memory_fraction if policy.split_backward else 0.0
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices

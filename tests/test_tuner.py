@@ -170,3 +170,23 @@ def test_rebalanced_placement_moves_the_heavy_stage_off_the_busiest_device():
     # a move never empties a device: every device keeps a stage
     many = rebalanced_placement(loads, zigzag, 4, max_moves=10)
     assert set(many) == {0, 1, 2, 3}
+
+
+def test_list_schedule_charges_message_host_time_as_the_simulator_does():
+    # on a cluster whose hosts pay for messages (gloo on CPU), the list scheduler times each F and
+    # B with that cost: the same orders as on a free-message cluster with the cost in the layers
+    rng = random.Random(3)
+    costs = random_table(rng, 8)
+    structure = Structure(tuple(range(9)), placements(2, 8)["zigzag"], 2)  # one layer per stage
+    paying = replace(ClusterSpec.preset("cpux2"), message_overhead_ms=1.5, message_copy_bandwidth=0.0)
+    free = replace(paying, message_overhead_ms=0.0)
+    crossings = [sum(1 for t in (s - 1, s + 1) if 0 <= t < 8 and structure.placement[t] != structure.placement[s])
+                 for s in range(8)]
+    assert sum(crossings) > 0
+    priced = CostTable([replace(layer, forward_ms=layer.forward_ms + 1.5 * n, backward_ms=layer.backward_ms + 1.5 * n)
+                        for layer, n in zip(costs, crossings)])
+    for policy in POLICIES[:6]:
+        assert list_schedule(structure, costs, paying, 8, policy) == list_schedule(structure, priced, free, 8, policy)
+    # and the charge changes the schedule somewhere: the cost is not ignored
+    assert any(list_schedule(structure, costs, paying, 8, policy) != list_schedule(structure, costs, free, 8, policy)
+               for policy in POLICIES)
