@@ -102,9 +102,10 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
             f"{error:>+7.1%}   {losses}")
     ours, timing_ours = rows[0][1], timings[0]
     theirs, timing_theirs = rows[1][1], timings[1]
-    for (name, _), timing, predicted in list(zip(rows, timings, predictions))[1:]:
+    for (name, pipe), timing, predicted in list(zip(rows, timings, predictions))[1:]:
+        same = " - the same plan as ours: the difference is this machine's noise" if pipe.plan == ours.plan else ""
         say(f"speedup over {name}: measured {timing.median_ms / timing_ours.median_ms:.3f}x (ratio of medians; "
-            f"{paired_speedup(timing_ours, timing)}), predicted {predicted / predictions[0]:.3f}x")
+            f"{paired_speedup(timing_ours, timing)}), predicted {predicted / predictions[0]:.3f}x{same}")
     measured = timing_theirs.median_ms / timing_ours.median_ms
     predicted = predictions[1] / predictions[0]
     picture = out / "timelines.png"
