@@ -322,6 +322,7 @@ def message_host_ms(sc: StageCosts, stage_device: Sequence[int], cluster: Cluste
             sending[not forward_sends][s] += size / copy_rate
     return posting, sending
 
+
 def simulate(
     plan: PipelinePlan,
     costs: CostTable,
