@@ -4,6 +4,7 @@ run are in `passes/`, the search in `tuner.py` and `solver.py`."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import InfeasibleError, OctopipeError, PlanError
+from octopipe.errors import InfeasibleError, OctopipeError, ParseError, PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
@@ -30,9 +31,18 @@ class PlanResult:
     plan: PipelinePlan
     report: PlanReport
     simulation: SimResult
+    costs: CostTable | None = None
+    """The cost table it was planned on."""
 
     def __str__(self) -> str:
         return str(self.report)
+
+    def save(self, path: str | Path) -> None:
+        """The plan as JSON (.json), with the cost table, cluster and predicted iteration time it
+        was planned on, so `load_saved_plan` (and `octopipe simulate`, `show`) need nothing else;
+        any other suffix: the plan's text form alone."""
+        save_plan(self.plan, path, costs=self.costs, cluster=self.simulation.cluster,
+                  iteration_ms=self.simulation.iteration_ms)
 
 
 def plan(
@@ -160,7 +170,7 @@ def plan(
         lower_bound_ms=lower_bound, activation_limit_bytes=activation_budget, memory_limit_bytes=memory_limit,
         planning_seconds=time.perf_counter() - started, stage_seconds=stage_seconds, cut_short=cut_short, notes=notes,
     )
-    return PlanResult(best_plan, report, final)
+    return PlanResult(best_plan, report, final, costs)
 
 
 _search = plan  # compile()'s `plan` argument shadows the function
@@ -362,9 +372,73 @@ class Pipeline:
         return paths
 
     def save(self, path: str | Path) -> None:
-        """Save the plan (JSON for .json, else the text form) to reuse with compile(plan=path)."""
-        path = Path(path)
-        path.write_text(self.plan.to_json() if path.suffix == ".json" else str(self.plan))
+        """Save the plan to reuse with compile(plan=path): JSON for .json (with the costs, cluster
+        and predicted iteration time, see `save_plan`), else the text form."""
+        save_plan(self.plan, path, costs=self.costs, cluster=self.cluster,
+                  iteration_ms=self.simulation.iteration_ms if self.simulation is not None else None)
+
+
+PLANNED_WITH = "planned_with"
+"""The key of a JSON plan file's context: {"cluster", "costs", "iteration_ms"} (each optional)."""
+
+
+@dataclass(frozen=True)
+class SavedPlan:
+    """A plan file and what it was planned on (None where the file does not say: the text form,
+    or JSON written without them)."""
+
+    plan: PipelinePlan
+    costs: CostTable | None = None
+    cluster: ClusterSpec | None = None
+    iteration_ms: float | None = None
+    """The iteration time the planner predicted for it on those costs and that cluster."""
+
+
+def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None = None,
+              cluster: ClusterSpec | None = None, iteration_ms: float | None = None) -> None:
+    """Write `plan_` to `path`: JSON for .json, with whichever of `costs`, `cluster` and
+    `iteration_ms` are given under PLANNED_WITH (`PipelinePlan.from_json`, `load_plan` and
+    `compile(plan=path)` read the plan and skip them); the text form for any other suffix."""
+    path = Path(path)
+    if path.suffix != ".json":
+        path.write_text(str(plan_))
+        return
+    data = plan_.to_dict()
+    context: dict[str, Any] = {}
+    if cluster is not None:
+        context["cluster"] = cluster.to_dict()
+    if costs is not None:
+        context["costs"] = costs.to_dict()
+    if iteration_ms is not None:
+        context["iteration_ms"] = iteration_ms
+    if context:
+        data[PLANNED_WITH] = context
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_saved_plan(path: str | Path) -> SavedPlan:
+    """A plan file (JSON or text form) with the context `save_plan` stored in it, if any."""
+    path = Path(path)
+    plan_ = load_plan(path)
+    text = path.read_text()
+    if not text.lstrip().startswith("{"):
+        return SavedPlan(plan_)
+    context = json.loads(text).get(PLANNED_WITH)
+    if context is None:
+        return SavedPlan(plan_)
+    if not isinstance(context, dict):
+        raise ParseError(f"{path}: '{PLANNED_WITH}' must be an object with cluster, costs, iteration_ms; got "
+                         f"{type(context).__name__}")
+    costs = CostTable.from_dict(context["costs"], source=f"{path} ({PLANNED_WITH}.costs)") if "costs" in context else None
+    cluster = (ClusterSpec.from_dict(context["cluster"], where=f"{path} ({PLANNED_WITH}.cluster)")
+               if "cluster" in context else None)
+    iteration_ms = context.get("iteration_ms")
+    if iteration_ms is not None and not isinstance(iteration_ms, (int, float)):
+        raise ParseError(f"{path}: {PLANNED_WITH}.iteration_ms must be a number, got {iteration_ms!r}")
+    if costs is not None and len(costs) != plan_.num_layers:
+        raise ParseError(f"{path}: the plan covers {plan_.num_layers} layers but its {PLANNED_WITH}.costs has "
+                         f"{len(costs)}; the file was edited by hand? Save it again with octopipe plan -o")
+    return SavedPlan(plan_, costs, cluster, float(iteration_ms) if iteration_ms is not None else None)
 
 
 def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:

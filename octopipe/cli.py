@@ -233,30 +233,61 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(result.report)
     if args.output:
         path = Path(args.output)
-        path.write_text(result.plan.to_json() if path.suffix == ".json" else str(result.plan))
-        print(f"plan written to {path}")
+        result.save(path)
+        kept = " with the cost table and cluster it was planned on" if path.suffix == ".json" else ""
+        print(f"plan written to {path}{kept}")
     else:
         print()
         print(result.plan)
     return EXIT_OK
 
 
-def _read_plan(path: str):
-    from octopipe.api import load_plan
+def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
+    """(plan, costs, cluster, the planner's predicted ms or None) for a plan file: the costs and
+    cluster given on the command line, else those saved in the file (`octopipe plan -o x.json`),
+    else the defaults (cluster only; costs are required). `given` keeps the command line's costs
+    for the next plan file (a --model's analytic costs per cluster)."""
+    from octopipe.api import load_saved_plan
+    from octopipe.errors import OctopipeError
 
-    return load_plan(path)
+    saved = load_saved_plan(path)
+    plan_ = saved.plan
+    if args.cluster is None and saved.cluster is not None:
+        cluster = saved.cluster.with_devices(args.devices) if args.devices else saved.cluster
+    else:
+        cluster = _cluster(args)
+        if saved.cluster is not None and cluster != saved.cluster:
+            print(f"note: {path} was planned on cluster {saved.cluster.name}; simulating it on {cluster.name} as asked",
+                  file=sys.stderr)
+    if cluster.num_devices < plan_.num_devices:
+        cluster = cluster.with_devices(plan_.num_devices)
+    if args.costs or args.model:
+        given = {} if given is None else given
+        key = cluster if args.model else None
+        if key not in given:
+            given[key] = _costs_from(args, cluster)[0]
+        costs = given[key]
+        if saved.costs is not None and costs != saved.costs:
+            print(f"note: {path} was planned on other costs ({saved.costs.model or 'a saved table'}); simulating it "
+                  "on the ones given", file=sys.stderr)
+    elif saved.costs is not None:
+        costs = saved.costs
+    else:
+        raise OctopipeError(f"{path} does not carry the costs it was planned on (a text plan, or JSON not written by "
+                            "octopipe plan -o FILE.json): give --costs FILE or --model NAME|module:factory")
+    same = args.cluster is None and not (args.costs or args.model) and not args.devices
+    return plan_, costs, cluster, saved.iteration_ms if same else None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from octopipe.simulator import simulate
 
-    plan_ = _read_plan(args.plan)
-    cluster = _cluster(args)
-    if cluster.num_devices < plan_.num_devices:
-        cluster = cluster.with_devices(plan_.num_devices)
-    costs, _ = _costs_from(args, cluster)
+    plan_, costs, cluster, planned_ms = _plan_inputs(args, args.plan)
     result = simulate(plan_, costs, cluster, blocking_sends=args.blocking_sends)
     print(result)
+    if planned_ms is not None and not args.blocking_sends:
+        agrees = "the same" if abs(result.iteration_ms - planned_ms) <= 1e-6 * max(1.0, planned_ms) else "DIFFERENT"
+        print(f"planned: {planned_ms:.2f} ms on the saved costs and cluster ({agrees})")
     if args.trace:
         result.save_trace(args.trace)
         print(f"Chrome/Perfetto trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
@@ -267,13 +298,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from octopipe.simulator import simulate
     from octopipe.viz import draw_comparison, draw_timeline
 
-    plans = [(_read_plan(path), path) for path in args.plans]
-    cluster = _cluster(args)
-    devices = max(p.num_devices for p, _ in plans)
-    if cluster.num_devices < devices:
-        cluster = cluster.with_devices(devices)
-    costs, _ = _costs_from(args, cluster)
-    results = {Path(path).stem: simulate(p, costs, cluster) for p, path in plans}
+    results, given = {}, {}
+    for path in args.plans:
+        plan_, costs, cluster, _ = _plan_inputs(args, path, given)
+        results[Path(path).stem] = simulate(plan_, costs, cluster)
     if len(results) == 1:
         draw_timeline(next(iter(results.values())), args.output, title=args.title)
     else:

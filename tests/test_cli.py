@@ -42,6 +42,34 @@ def test_plan_simulate_show_round_trip(tmp_path, capsys):
     assert picture.read_text().lstrip().startswith("<?xml")
 
 
+
+def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--devices", "4", "--microbatches", "8",
+                 "--time-limit", "4", "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
+    report = capsys.readouterr().out
+    # no --costs, no --cluster: the ones saved in the file; the prediction is the planner's own
+    assert main(["simulate", str(plan_path)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "(the same)" in out
+    planned = float(out.split("planned: ")[1].split(" ms")[0])
+    chosen = next(line for line in report.splitlines() if line.startswith("*"))
+    assert f"{planned:.2f}" in chosen
+    # another cluster on request, with a note that it is not the one planned on
+    assert main(["simulate", str(plan_path), "--cluster", "a100x32"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "planned on cluster h100x16" in captured.err and "planned:" not in captured.out
+    picture = tmp_path / "timeline.svg"
+    assert main(["show", str(plan_path), "-o", str(picture)]) == EXIT_OK
+    # a text plan carries no costs: the error says what to give
+    text_path = tmp_path / "plan.txt"
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
+                 "--quiet", "--no-solver", "-o", str(text_path)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["simulate", str(text_path)]) == EXIT_ERROR
+    assert "give --costs FILE" in capsys.readouterr().err
+
+
 def test_dump_every_level(tmp_path, capsys):
     assert main(["dump", "--model", "llama", "--level", "program"]) == EXIT_OK
     assert "program rank=0 ranks=2" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """`octopipe.plan`: the plan it returns simulates to what its report says, fits the limits, never
 loses to a baseline that fits, is deterministic; bad inputs fail with the fix in the message."""
 
+import json
 import os
 import random
 import subprocess
@@ -58,6 +59,33 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
         assert needle in text
     assert result.report.balance_bound_optimal
     assert not result.report.cut_short
+
+
+
+def test_a_saved_plan_carries_its_costs_cluster_and_prediction(tmp_path):
+    from octopipe.api import load_plan, load_saved_plan
+
+    costs = heterogeneous(3)
+    cluster = ClusterSpec.preset("h100x16", num_devices=4)
+    result = octopipe.plan(costs, cluster, 8, quiet=True, effort=0.05)
+    result.save(tmp_path / "plan.json")
+    saved = load_saved_plan(tmp_path / "plan.json")
+    assert saved.plan == result.plan and saved.costs == costs and saved.cluster == cluster
+    assert saved.iteration_ms == result.report.iteration_ms
+    assert simulate(saved.plan, saved.costs, saved.cluster).iteration_ms == pytest.approx(saved.iteration_ms)
+    assert load_plan(tmp_path / "plan.json") == result.plan  # readers of the plan alone skip the context
+    result.save(tmp_path / "plan.txt")  # the text form is the plan alone
+    text = load_saved_plan(tmp_path / "plan.txt")
+    assert text.plan == result.plan and text.costs is None and text.cluster is None and text.iteration_ms is None
+    edited = json.loads((tmp_path / "plan.json").read_text())
+    edited["planned_with"]["costs"]["layers"].pop()
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(octopipe.ParseError, match="9"):
+        load_saved_plan(tmp_path / "edited.json")
+    edited["planned_with"] = ["not", "an", "object"]
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(octopipe.ParseError, match="planned_with"):
+        load_saved_plan(tmp_path / "edited.json")
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
