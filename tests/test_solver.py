@@ -17,6 +17,7 @@ from octopipe.solver import (
     balanced_structure,
     layer_loads,
     refine_order,
+    release_bound,
     solve_joint,
 )
 from octopipe.tuner import Policy, Structure, list_schedule
@@ -86,6 +87,75 @@ def test_balance_bound_cut_short_keeps_a_valid_lower_bound():
     bound = balance_bound(costs, 5, node_budget=1, lp_rounds=1)
     exact = balance_bound(costs, 5)
     assert bound.lower_ms <= exact.load_ms + 1e-9 <= bound.load_ms + 1e-9
+
+
+# -- release bound ------------------------------------------------------------------------------
+
+def brute_release(costs, p, m):
+    """min over every assignment of layers to devices of max over devices of (the forward up to
+    its first layer + m x its load)."""
+    loads, before = layer_loads(costs), costs.prefix("forward")
+    best = math.inf
+    for assignment in itertools.product(range(p), repeat=len(loads)):
+        first, per = {}, [0.0] * p
+        for layer, device in enumerate(assignment):
+            first.setdefault(device, layer)
+            per[device] += loads[layer]
+        best = min(best, max(before[layer] + m * per[device] for device, layer in first.items()))
+    return best
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([8, 10, 12, 28, 30, 34]), min_size=3, max_size=7), st.integers(2, 4),
+       st.sampled_from([1, 2, 4, 8]))
+def test_release_bound_is_exact_over_assignments_on_small_tables(forwards, p, m):
+    forwards = forwards[:2 * p - 1]  # the exact search runs where devices hold under 2 layers on average
+    costs = table([x / 10 for x in forwards], [x / 5 for x in forwards])
+    relaxed = release_bound(costs, p, m, ordered_budget=0)  # the rank relaxation alone
+    bound = release_bound(costs, p, m)
+    exact = brute_release(costs, p, m)
+    assert bound.optimal
+    # never above the exact optimum (nor above the relaxation's other terms, which also hold)
+    assert bound.lower_ms <= max(exact, relaxed.lower_ms) + 1e-9
+    assert bound.lower_ms >= relaxed.lower_ms - 1e-9
+    # and at most the ticks' rounding below it
+    assert bound.lower_ms >= exact - 0.01 * (m * len(forwards) + 1)
+
+
+def test_release_bound_knows_a_late_device_cannot_take_earlier_layers():
+    # 5 layers, heavy and light, on 3 devices: the rank relaxation lets the third device to
+    # start hold a heavy layer from before its first one; no real assignment can
+    forward = [3.42, 3.11, 0.99, 2.9, 0.95]
+    costs = table(forward, [2 * x for x in forward])
+    relaxed = release_bound(costs, 3, 4, ordered_budget=0)
+    bound = release_bound(costs, 3, 4)
+    exact = brute_release(costs, 3, 4)
+    assert relaxed.lower_ms < 0.95 * exact
+    assert exact - 0.2 <= bound.lower_ms <= exact
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4), st.sampled_from([2, 4]))
+def test_release_bound_is_below_every_plan(seed, p, factor):
+    from octopipe import schedules
+
+    rng = random.Random(seed)
+    forward = [rng.uniform(0.5, 3.0) for _ in range(rng.randint(p + 1, 2 * p + 2))]
+    costs = table(forward, [x * rng.uniform(1.5, 2.5) for x in forward])
+    cluster = ClusterSpec(num_devices=p, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
+    m = factor * p
+    bound = release_bound(costs, p, m)
+    for name, plan in schedules.baselines(costs, cluster, m).items():
+        assert bound.lower_ms <= simulate(plan, costs, cluster).iteration_ms + 1e-6, name
+    for count in (p, len(forward)):
+        for placement in (tuple(s % p for s in range(count)),):
+            bounds = tuple(range(count)) + (len(forward),) if count == len(forward) else None
+            if bounds is None:
+                from octopipe.schedules import balanced_boundaries
+
+                bounds = tuple(balanced_boundaries(layer_loads(costs), count))
+            plan = list_schedule(Structure(bounds, placement, p), costs, cluster, m, Policy())
+            assert bound.lower_ms <= iteration_time(plan, costs, cluster)[0] + 1e-6
 
 
 # -- the joint model against brute force --------------------------------------------------------
