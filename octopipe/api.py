@@ -162,6 +162,10 @@ def plan(
     if released is not None:
         sources["release bound (late-starting devices)"] = released.lower_ms
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
+    fastest = min((row for row in rows if row.kind == "baseline"), key=lambda row: row.iteration_ms, default=None)
+    if fastest is not None and not fastest.fits:
+        notes.append("the lower bound ignores memory, and memory binds here (the fastest baseline does not fit): "
+                     "part of the gap may be the bound's")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
     report = PlanReport(

@@ -59,6 +59,12 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
         assert needle in text
     assert result.report.balance_bound_optimal
     assert not result.report.cut_short
+    # the bound ignores memory: the report says so exactly where memory binds
+    for limit in ("1f1b", None):
+        report = octopipe.plan(costs, cluster, 8, activation_limit=limit, quiet=True, effort=0.05).report
+        said = any("lower bound ignores memory" in note for note in report.notes)
+        assert said == (not report.best_baseline.fits)
+        assert said == (limit is not None)
 
 
 
