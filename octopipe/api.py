@@ -60,6 +60,7 @@ def plan(
     effort: float = 1.0,
     quiet: bool = False,
     progress: Callable[[str], None] | None = None,
+    min_gain: float = 0.0,
 ) -> PlanResult:
     """Jointly choose partition, placement and op order for `costs` on `cluster`.
 
@@ -70,10 +71,17 @@ def plan(
     scales it), so the plan is a function of the input, `effort` and `seed` alone: every rank of a
     job gets the same one. time_limit_s is a safety net on top: when it runs out first, the best
     valid plan found is returned and the report says the search was cut short (the plan may
-    then differ between runs). Progress goes to stderr unless `quiet` (or to `progress`)."""
+    then differ between runs). Progress goes to stderr unless `quiet` (or to `progress`).
+
+    min_gain: return the best baseline that fits unless the searched plan is at least this much
+    faster on paper (0.02 = 2%). The search's plans can have more stages and ops than any
+    baseline, and where the costs are only known to a few percent (CPU runs, a rough profile) a
+    gain below their error is a coin toss; the report marks the baseline as chosen and says why."""
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
+    if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
+        raise PlanError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
     if activation_limit is not None and not costs.has_memory_info:
         raise PlanError(f"plan: activation_limit={activation_limit!r} but the cost table{_named(costs)} has no "
@@ -156,6 +164,13 @@ def plan(
     if refinement is not None:
         rows.append(_row("octopipe solver", "solver", simulate(refinement.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
     chosen = "octopipe solver" if origin == "solver" else "octopipe tuner"
+    fitting = min((row for row in rows if row.kind == "baseline" and row.fits), key=lambda row: row.iteration_ms,
+                  default=None)
+    if min_gain > 0 and fitting is not None and fitting.iteration_ms <= final.iteration_ms * (1 + min_gain):
+        notes.append(f"returned the best baseline that fits, {fitting.name}: the searched plan is "
+                     f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
+                     f"{min_gain:.1%}")
+        chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
     if not bound.optimal:
         notes.append("balance bound: bin packing not proven optimal in time; the lower bound uses its proven bound")
     sources = {"microbatches x balance bound": num_microbatches * bound.lower_ms, "one microbatch's F+B chain": chain_ms}

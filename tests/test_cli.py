@@ -70,6 +70,15 @@ def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, cap
     assert "give --costs FILE" in capsys.readouterr().err
 
 
+def test_plan_min_gain_returns_the_baseline_when_the_search_gains_less(capsys):
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
+                 "--quiet", "--no-solver", "--min-gain", "50"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "under min_gain 50.0%" in out
+    chosen = next(line for line in out.splitlines() if line.startswith("*"))
+    assert "octopipe" not in chosen and "/" in chosen  # a family/partition baseline row
+
+
 def test_dump_every_level(tmp_path, capsys):
     assert main(["dump", "--model", "llama", "--level", "program"]) == EXIT_OK
     assert "program rank=0 ranks=2" in capsys.readouterr().out

@@ -68,6 +68,27 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
 
 
 
+def test_min_gain_keeps_the_best_fitting_baseline_unless_the_search_beats_it_by_that_much():
+    costs = heterogeneous(1)
+    cluster = ClusterSpec.preset("h100x4")
+    searched = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
+    fitting = searched.report.best_fitting_baseline
+    gain = fitting.iteration_ms / searched.report.iteration_ms - 1
+    assert gain > 0.002
+    kept = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05, min_gain=gain + 0.001)
+    assert kept.report.chosen == fitting.name and kept.report.iteration_ms == fitting.iteration_ms
+    family, partition = fitting.name.split("/")
+    assert kept.plan == octopipe.schedules.build(family, costs, cluster, 8, partition=partition)
+    assert kept.simulation.iteration_ms == pytest.approx(fitting.iteration_ms)
+    assert any("under min_gain" in note for note in kept.report.notes)
+    assert "*" + fitting.name in str(kept.report)
+    check_result(kept, costs, cluster)
+    below = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05, min_gain=gain / 2)
+    assert below.plan == searched.plan and below.report.chosen == searched.report.chosen
+    with pytest.raises(octopipe.PlanError, match="min_gain"):
+        octopipe.plan(costs, cluster, 8, quiet=True, min_gain=2)
+
+
 def test_a_saved_plan_carries_its_costs_cluster_and_prediction(tmp_path):
     from octopipe.api import load_plan, load_saved_plan
 
