@@ -164,23 +164,12 @@ def plan(
     if refinement is not None:
         rows.append(_row("octopipe solver", "solver", simulate(refinement.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
     chosen = "octopipe solver" if origin == "solver" else "octopipe tuner"
-    fitting = min((row for row in rows if row.kind == "baseline" and row.fits), key=lambda row: row.iteration_ms,
-                  default=None)
-    if min_gain > 0 and fitting is not None and fitting.iteration_ms <= final.iteration_ms * (1 + min_gain):
-        notes.append(f"returned the best baseline that fits, {fitting.name}: the searched plan is "
-                     f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
-                     f"{min_gain:.1%}")
-        chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
     if not bound.optimal:
         notes.append("balance bound: bin packing not proven optimal in time; the lower bound uses its proven bound")
     sources = {"microbatches x balance bound": num_microbatches * bound.lower_ms, "one microbatch's F+B chain": chain_ms}
     if released is not None:
         sources["release bound (late-starting devices)"] = released.lower_ms
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
-    fastest = min((row for row in rows if row.kind == "baseline"), key=lambda row: row.iteration_ms, default=None)
-    if fastest is not None and not fastest.fits:
-        notes.append("the lower bound ignores memory, and memory binds here (the fastest baseline does not fit): "
-                     "part of the gap may be the bound's")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
     report = PlanReport(
@@ -189,6 +178,15 @@ def plan(
         lower_bound_ms=lower_bound, activation_limit_bytes=activation_budget, memory_limit_bytes=memory_limit,
         planning_seconds=time.perf_counter() - started, stage_seconds=stage_seconds, cut_short=cut_short, notes=notes,
     )
+    if not report.best_baseline.fits:
+        notes.append("the lower bound ignores memory, and memory binds here (the fastest baseline does not fit): "
+                     "part of the gap may be the bound's")
+    fitting = report.best_fitting_baseline
+    if min_gain > 0 and fitting is not None and fitting.iteration_ms <= final.iteration_ms * (1 + min_gain):
+        notes.append(f"returned the best baseline that fits, {fitting.name}: the searched plan is "
+                     f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
+                     f"{min_gain:.1%}")
+        report.chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
     return PlanResult(best_plan, report, final, costs)
 
 

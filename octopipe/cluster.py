@@ -76,6 +76,12 @@ class ClusterSpec:
         if self.backend not in ("nccl", "gloo"):
             raise ClusterSpecError(f"{where}: backend must be 'nccl' or 'gloo', got {self.backend!r}")
 
+    @property
+    def hosts_pay_for_messages(self) -> bool:
+        """Whether a device's own host time goes into its cross-device messages (posting, copying):
+        gloo on CPU; not the GPU presets."""
+        return bool(self.message_overhead_ms or self.message_copy_bandwidth)
+
     # -- topology ---------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:

@@ -302,9 +302,9 @@ def message_host_ms(sc: StageCosts, stage_device: Sequence[int], cluster: Cluste
     previous, send to the next; B: the reverse) and one per skip tensor it sends or reads across
     devices; each costs `message_overhead_ms` and, where hosts copy (gloo on CPU), bytes /
     `message_copy_bandwidth`. Shared by the simulator and the tuner's list scheduler."""
-    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
-    if not (cluster.message_overhead_ms or copy_rate):
+    if not cluster.hosts_pay_for_messages:
         return None, None
+    copy_rate = cluster.message_copy_bandwidth / 1e3  # bytes per ms; 0: no host copy
     num_stages = len(stage_device)
     messages: list[tuple[int, float, bool]] = []  # (stage, bytes, its F sends them)
     for s in range(num_stages - 1):

@@ -190,9 +190,8 @@ def list_schedule(
     placement = structure.placement
     # where messages cost the host time (gloo on CPU), an F or B takes that much longer, as the
     # simulator charges it; none on the GPU presets
-    if cluster.message_overhead_ms or cluster.message_copy_bandwidth:
+    if cluster.hosts_pay_for_messages:
         posting, _ = message_host_ms(StageCosts.of(structure.boundaries, costs), placement, cluster)
-        assert posting is not None  # the cluster's messages cost host time
         forward = [f + extra for f, extra in zip(forward, posting)]
         backward = [b + extra for b, extra in zip(backward, posting)]
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
