@@ -312,6 +312,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
     import octopipe
     from octopipe.bench import measure_steps
     from octopipe.errors import OctopipeError
@@ -322,11 +324,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _train_distributed(args)
     if args.size == "paper":
-        raise OctopipeError("train runs real steps on this machine; paper-size models only plan (use --size tiny)")
+        raise OctopipeError("train --size paper: a paper-size model does not fit this machine; it trains across GPUs "
+                            "under torchrun, where each rank creates only its own stages (--torchrun prints the "
+                            "line); here use --size tiny")
     cluster = _cluster(args, default=f"cpux{args.nprocs}")
     if cluster.num_devices != args.nprocs:
         cluster = cluster.with_devices(args.nprocs)
     model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    if any(param.is_meta for param in model.parameters()):
+        raise OctopipeError(f"train --model {args.model}: the model is on the meta device; local training needs a "
+                            "real one (a meta model trains under torchrun, each rank creating its own stages)")
+    if args.init:
+        from octopipe.runtime import load_into_model
+        from octopipe.runtime.materialize import checkpoint_state
+
+        load_into_model(model, checkpoint_state(args.init, torch.device("cpu"), 0))  # type: ignore[arg-type]
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
@@ -348,6 +360,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import octopipe
+    from octopipe import models
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime import init_from_env
 
@@ -359,16 +372,28 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if cluster.num_devices != world_size:
         cluster = cluster.with_devices(world_size)
     model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
+    # and each rank creates only its own stages, on its own GPU
+    on_meta = any(param.is_meta for param in model.parameters())
+    examples, example_target = inputs, target
+    if on_meta:
+        inputs, target = _real_batch(args, inputs, target)
+        examples = tuple(t.to("meta") for t in inputs)
+        example_target = target.to("meta") if target is not None else None
     plan_text = [None]
     if rank == 0:
-        first = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                                 num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule,
-                                 time_limit_s=args.time_limit, quiet=args.quiet)
+        first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
+                                 loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
+                                 schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
         plan_text = [str(first.plan)]
     dist.broadcast_object_list(plan_text, src=0)
-    pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+    pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True)
-    engine = pipe.engine(rank, device=device)
+    init: Any = args.init
+    if init is None and on_meta and args.model in models.MODEL_NAMES:
+        torch.manual_seed(rank)  # each rank draws its own stages' weights
+        init = models.init_module
+    engine = pipe.engine(rank, device=device, init=init)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
     params = [p for _, p in engine.named_parameters()]
@@ -385,14 +410,41 @@ def _train_distributed(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[tuple, Any]:
+    """The training batch for a model built on the meta device: a built-in model's example batch
+    made on the CPU; a factory must return real inputs (only the model may be on meta)."""
+    import torch
+
+    from octopipe import models
+    from octopipe.errors import OctopipeError
+
+    if args.model in models.MODEL_NAMES:
+        fields = _overrides(args.set)
+        with torch.device("cpu"):
+            inputs = models.example_inputs(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len,
+                                           **fields)
+            target = models.example_target(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len,
+                                           **fields)
+        return inputs, target
+    if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
+        raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
+                            "batch (the model alone may be on meta)")
+    return inputs, target
+
+
 def torchrun_command(args: argparse.Namespace) -> str:
     """The torchrun line that runs this training on a real cluster (one process per GPU)."""
     nodes = max(1, -(-args.nprocs // 8))
     per_node = min(args.nprocs, 8)
     plan_arg = f" --plan {args.plan}" if args.plan else (f" --schedule {args.schedule}" if args.schedule else "")
+    plan_arg += f" --init {args.init}" if args.init else ""
+    plan_arg += "".join(f" --set {item}" for item in args.set or ())
+    plan_arg += f" --seq-len {args.seq_len}" if args.seq_len else ""
+    plan_arg += f" --cluster {args.cluster}" if args.cluster else ""
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 -m octopipe.cli train --model {args.model} --size {args.size} "
-            f"--batch-size {args.batch_size}{plan_arg} --microbatches {args.microbatches} --steps {args.steps}")
+            f"--batch-size {args.batch_size}{plan_arg} --microbatches {args.microbatches} --steps {args.steps} "
+            f"--lr {args.lr}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -471,6 +523,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
+    p.add_argument("--init", metavar="CHECKPOINT", default=None,
+                   help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
+                        "built on the meta device (--size paper) is created from it on each rank (default there: "
+                        "the built-in model's own initialization, drawn per rank)")
     p.add_argument("--time-limit", type=float, default=10.0)
     p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")

@@ -1,6 +1,7 @@
 """The command line: every subcommand end to end, and exit codes scripts can rely on."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,17 +110,92 @@ def test_train_torchrun_line(capsys):
     assert main(["train", "--model", "llama", "--torchrun", "--nprocs", "16", "--plan", "p.json"]) == EXIT_OK
     line = capsys.readouterr().out
     assert line.startswith("torchrun --nnodes 2 --nproc-per-node 8") and "-m octopipe.cli train" in line
+    # what shapes the model and its training is passed on, not dropped
+    assert main(["train", "--model", "llama", "--size", "paper", "--set", "num_layers=8", "--seq-len", "512",
+                 "--init", "ckpt.pt", "--lr", "0.01", "--torchrun", "--nprocs", "8"]) == EXIT_OK
+    line = capsys.readouterr().out
+    for part in ("--size paper", "--set num_layers=8", "--seq-len 512", "--init ckpt.pt", "--lr 0.01"):
+        assert part in line
 
 
 @pytest.mark.timeout(300)
-def test_train_runs_locally_and_losses_fall():
+def test_train_runs_locally_from_a_checkpoint_and_losses_fall(tmp_path):
+    import torch
+
+    from octopipe import models
+
+    torch.manual_seed(5)  # not the CLI's own seed: the first loss tells which weights ran
+    model = models.build("llama", "tiny")
+    torch.save({"model": model.state_dict()}, tmp_path / "start.pt")
+    inputs = models.example_inputs("llama", "tiny", batch_size=8)
+    target = models.example_target("llama", "tiny", batch_size=8)
+    models.lm_loss(model(*inputs), target).backward()  # train's warm-up step: one SGD update at --lr
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= 0.5 * param.grad
+        expected = models.lm_loss(model(*inputs), target).item()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "octopipe.cli", "train", "--model", "llama", "--schedule", "zb-h1",
-                           "--steps", "4", "--lr", "0.5", "--quiet"], capture_output=True, text=True, env=env,
-                          timeout=280)
+                           "--steps", "4", "--lr", "0.5", "--quiet", "--init", str(tmp_path / "start.pt")],
+                          capture_output=True, text=True, env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    assert losses[0] == pytest.approx(expected, abs=1e-5)
+
+
+SMALL_PAPER = ["--set", "vocab_size=512", "--set", "hidden_size=64", "--set", "num_layers=4", "--set", "num_heads=4",
+               "--set", "num_kv_heads=2", "--set", "head_dim=16", "--set", "intermediate_size=128",
+               "--set", "max_seq_len=32"]
+
+
+def _torchrun_train(extra, tmp_path):
+    """`octopipe train` as the printed torchrun line runs it (2 ranks, gloo on this CPU)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "octopipe.cli", "train",
+               "--model", "llama", "--size", "paper", *SMALL_PAPER, "--batch-size", "8", "--microbatches", "4",
+               "--schedule", "zb-h1", "--quiet", *extra]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_trains_a_paper_size_model_each_rank_building_only_its_stages(tmp_path):
+    # --size paper builds the model on the meta device (here the paper config made small with
+    # --set, so this CPU can run it); each rank creates its own stages' weights
+    losses = _torchrun_train(["--steps", "3", "--lr", "0.05"], tmp_path)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert losses[0] == pytest.approx(math.log(512), abs=0.05)  # fresh N(0, 0.02) weights: a uniform guess
+
+    # from a checkpoint of the plain model: the first step's loss is that model's, exactly
+    import torch
+
+    from octopipe import models
+
+    fields = dict(item.split("=") for item in SMALL_PAPER[1::2])
+    fields = {key: int(value) for key, value in fields.items()}
+    torch.manual_seed(3)
+    model = models.build("llama", "paper", **fields)
+    checkpoint = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), checkpoint)
+    inputs = models.example_inputs("llama", "paper", batch_size=8, **fields)
+    target = models.example_target("llama", "paper", batch_size=8, **fields)
+    with torch.no_grad():
+        expected = models.lm_loss(model(*inputs), target).item()
+    losses = _torchrun_train(["--steps", "1", "--init", str(checkpoint)], tmp_path)
+    assert losses == [pytest.approx(expected, abs=1e-5)]
+
+
+def test_local_train_refuses_a_paper_size_model(capsys):
+    assert main(["train", "--model", "llama", "--size", "paper"]) == EXIT_ERROR
+    assert "torchrun" in capsys.readouterr().err
 
 
 def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, capsys):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from octopipe.models.common import ModelConfig, ModelConfigError
+from octopipe.models.common import ModelConfig, ModelConfigError, init_module
 from octopipe.models.deepseek import DeepSeekConfig, DeepSeekModel, MoE
 from octopipe.models.gemma import GemmaConfig, GemmaModel
 from octopipe.models.llama import LlamaConfig, LlamaModel
@@ -49,6 +49,7 @@ __all__ = [
     "config",
     "example_inputs",
     "example_target",
+    "init_module",
     "lm_loss",
 ]
 

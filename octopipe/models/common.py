@@ -104,6 +104,22 @@ def init_weights(model: nn.Module, std: float = INIT_STD) -> None:
             nn.init.normal_(module.weight, std=std)
 
 
+def init_module(module: nn.Module, std: float = INIT_STD) -> None:
+    """One module's own parameters as `build` initializes them (Linear and Embedding weights
+    ~ N(0, std), biases 0, any other module its `reset_parameters()`), to run on every
+    submodule like `nn.Module.apply`: how a rank fills the stages it created from a model built
+    on the meta device (`pipe.engine(rank, device=..., init=init_module)`). Draws from torch's
+    RNG on the module's device: the same distributions as `build`, not the same values."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    else:
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
 # ---------------------------------------------------------------- activations
 
 
@@ -199,6 +215,17 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the tables in place (they are in no checkpoint): what a rank that built this
+        module on the meta device calls once its tensors exist (`runtime/materialize.py`)."""
+        device = self.cos.device
+        inverse_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+                                            / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32, device=device), inverse_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, x: Tensor) -> Tensor:
         """Rotate x [batch, heads, seq, head_dim] by its positions 0..seq-1."""

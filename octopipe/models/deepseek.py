@@ -135,8 +135,7 @@ class MoE(nn.Module):
         self.expert_gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, expert_hidden_size))
         self.expert_up_weight = nn.Parameter(torch.empty(num_experts, hidden_size, expert_hidden_size))
         self.expert_down_weight = nn.Parameter(torch.empty(num_experts, expert_hidden_size, hidden_size))
-        for weight in (self.expert_gate_weight, self.expert_up_weight, self.expert_down_weight):
-            nn.init.normal_(weight, std=INIT_STD)
+        self.reset_parameters()
         self.shared_experts = (
             GatedMLP(hidden_size, num_shared_experts * expert_hidden_size, act="silu")
             if num_shared_experts > 0
@@ -151,6 +150,11 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(x), dim=-1)
         top = torch.topk(probs, self.top_k, dim=-1)
         return torch.zeros_like(probs).scatter(-1, top.indices, top.values)
+
+    def reset_parameters(self) -> None:
+        """The experts' own weights ~ N(0, INIT_STD) (the router and shared experts are modules of their own)."""
+        for weight in (self.expert_gate_weight, self.expert_up_weight, self.expert_down_weight):
+            nn.init.normal_(weight, std=INIT_STD)
 
     def forward(self, x: Tensor) -> Tensor:
         gate = self.gate(x)

@@ -143,6 +143,10 @@ class PatchEmbedding(nn.Module):
         self.num_patches = num_patches
         self.proj = nn.Conv2d(num_channels, hidden_size, patch_size, stride=patch_size)
         self.position = nn.Parameter(torch.empty(1, num_patches, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The position embedding ~ N(0, INIT_STD) (the projection is a module of its own)."""
         nn.init.normal_(self.position, std=INIT_STD)
 
     def forward(self, pixel_values: Tensor) -> Tensor:

@@ -157,6 +157,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, y: Tensor, z: Tensor) -> Tensor:
         gated = (y * F.silu(z)).unflatten(-1, (-1, self.group_size))
         return F.rms_norm(gated, (self.group_size,), eps=self.eps).flatten(-2) * self.weight
@@ -194,13 +197,21 @@ class Mamba2Mixer(nn.Module):
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1, bias=True
         )
-        # Mamba's init: decay rates A in [1, 16], step sizes dt in [1e-3, 1e-1] (log-uniform).
-        self.A_log = nn.Parameter(torch.log(torch.empty(num_heads).uniform_(1.0, 16.0)))
-        dt = torch.exp(torch.empty(num_heads).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        self.D = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.D = nn.Parameter(torch.empty(num_heads))
+        self.reset_parameters()
         self.norm = GatedRMSNorm(self.d_inner, self.d_inner // n_groups, eps=norm_eps)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Mamba's init of the mixer's own parameters: decay rates A in [1, 16], step sizes dt in
+        [1e-3, 1e-1] (log-uniform, stored as softplus's inverse), skip D = 1."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1.0, 16.0)))
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            self.D.fill_(1.0)
 
     def forward(self, hidden: Tensor) -> Tensor:
         seq_len = hidden.shape[1]

@@ -99,6 +99,16 @@ def _canonical_names(root: nn.Module) -> dict[int, str]:
     return names
 
 
+def _owners(root: nn.Module) -> dict[int, nn.Module]:
+    """id(tensor) -> the first module of `root` that holds it directly."""
+    owners: dict[int, nn.Module] = {}
+    for module in root.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                owners.setdefault(id(tensor), module)
+    return owners
+
+
 def codegen(
     graph: LayerGraph,
     plan: PipelinePlan,
@@ -194,6 +204,7 @@ def codegen(
     output_specs = {s: tuple(spec(n, tuple(sorted(consumers[n]))) for n in outputs_of[s]) for s in outputs_of}
     output_index = {n: j for s in outputs_of for j, n in enumerate(outputs_of[s])}
     canonical = _canonical_names(model if model is not None else module)
+    owner_of = _owners(model if model is not None else module)
     persistent = set((model if model is not None else module).state_dict(keep_vars=True))
     split_stages = {s for s, _ in plan.split_backward()} if split_backward is None else (
         set(range(plan.num_stages)) if split_backward else set())
@@ -247,8 +258,10 @@ def codegen(
                 (stage_module.get_submodule(owner) if owner else stage_module)._non_persistent_buffers_set.add(attr)
         if compile:
             stage_module.compile()
+        owners = {id(owner_of[id(t)]): owner_of[id(t)] for t in [*stage_module.parameters(), *stage_module.buffers()]
+                  if id(t) in owner_of}
         stages.append(StageModule(stage, stage_module, tuple(src for _, src in ordered), outputs,
-                                  is_loss=stage == last_stage, parameter_names=names))
+                                  is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values())))
     return tuple(stages)
 
 

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from octopipe.errors import ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
+from octopipe.runtime.materialize import Init, is_checkpoint, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
 
 
@@ -76,7 +77,13 @@ class Engine:
         timeout_s: float = 60.0,
         device: torch.device | str | None = None,
         optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        init: Init | None = None,
     ) -> None:
+        """`device`: where this rank runs; its stage modules are moved there (in place: build one
+        engine per process). A model built on the meta device is created there instead, from
+        `init` (a checkpoint path or state dict by the model's names, a function run on each
+        submodule, or "reset"; see `runtime/materialize.py`); `init` on a real model loads or
+        re-initializes it the same way."""
         if program.rank != rank or program.num_ranks != world_size:
             raise ExecutionError(f"rank {rank}: program is for rank {program.rank} of {program.num_ranks}, "
                                  f"engine is rank {rank} of {world_size}")
@@ -90,12 +97,16 @@ class Engine:
                 raise ExecutionError(f"rank {rank}: program runs stage {instruction.stage} but this rank was given "
                                      f"stages {sorted(self.stages)}")
         first = next((p for s in stages for p in s.module.parameters()), None)
-        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        self.device = (torch.device(device) if device is not None
+                       else first.device if first is not None and not first.is_meta else torch.device("cpu"))
+        materialize(stages, self.device, init, rank)
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
         self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
+        if init is not None and not is_checkpoint(init):
+            self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
@@ -158,6 +169,14 @@ class Engine:
             if self.rank in ranks:
                 groups[tuple(ranks)] = group
         return groups
+
+    def _broadcast_tied(self) -> None:
+        """Collective over each tie group: its lowest rank's value of every tied parameter."""
+        ranks_of = {i.param: tuple(i.ranks) for i in self.program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[arg-type]
+        for name in sorted(ranks_of):  # the same order on every rank
+            group = self._tied_groups.get(ranks_of[name])
+            if group is not None:
+                dist.broadcast(self._params[name].data, src=min(ranks_of[name]), group=group)
 
     # -- parameters and optimizer ------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -86,6 +86,10 @@ class StageModule:
     parameter_names: Mapping[str, str] = field(default_factory=dict)
     """Local qualified name (in `module`) -> the original model's name, for parameters and buffers
     whose names differ (a tied head weight maps to the embedding's name). Absent = unchanged."""
+    owners: tuple[nn.Module, ...] = ()
+    """The original model's modules that own this stage's parameters and buffers directly (an
+    `nn.Linear` whose weight a rewritten stage reads by attribute is no submodule of `module`):
+    where a rank that builds a meta-device model's stages runs its init (`runtime/materialize.py`)."""
 
     def original_name(self, local_name: str) -> str:
         return self.parameter_names.get(local_name, local_name)

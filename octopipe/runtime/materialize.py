@@ -1,0 +1,223 @@
+"""Put one rank's stage modules on its device, building them there when the model was built on
+the meta device.
+
+Consumed by `runtime/engine.py` (Engine(device=..., init=...)); produces nothing new: the stage
+modules' parameters and buffers are replaced in place, so the rank's engine, its optimizer and
+its state dicts see the materialized tensors.
+
+A model too large for one machine is built on the meta device (`with torch.device("meta")`),
+traced, planned and cut like any other; each rank then creates only its own stages' tensors, on
+its own device, and fills them from `init`:
+
+- a checkpoint path or a state dict keyed by the original model's names (`Engine.save_checkpoint`
+  writes one; a plain `model.state_dict()` works too), or
+- a function called once per submodule of the rank's stages, like `nn.Module.apply`
+  (`octopipe.models.init_module` does what `octopipe.models.build` does), or
+- "reset": each submodule's own `reset_parameters()` (what torch's layers start from).
+
+Non-persistent buffers (tables a module computes in `__init__`, like RoPE's cos/sin) are in no
+checkpoint: a module that owns one recomputes it in a `reset_buffers()` method, which is called
+first. Nothing is left silently uninitialized: floating-point tensors are created filled with
+NaN and integer ones with their type's minimum, and a tensor that still holds that after `init`
+is an error naming it (boolean buffers cannot be checked this way).
+
+Glossary: *materialize* = replace a meta tensor by a real one on the device; *tied* = one
+parameter object held by several modules (it stays one object).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from octopipe.errors import ExecutionError
+from octopipe.runtime.stage import StageModule
+
+Init = Union[str, "os.PathLike[str]", Mapping[str, Any], Callable[[nn.Module], None]]
+"""What fills a materialized rank: a checkpoint path, a state dict, a per-module function, or "reset"."""
+
+_SHOWN = 5  # names listed in an error message
+
+
+def materialize(stages: Sequence[StageModule], device: torch.device, init: Init | None, rank: int) -> bool:
+    """Move `stages`' tensors to `device`, or, if any is on the meta device, create them there
+    and fill them from `init` (required then; on a real model `init` loads or re-initializes it
+    the same way). Returns whether tensors were created. If filling fails, the stages are left
+    on the meta device as they were, so a second attempt starts clean."""
+    modules = _unique_modules(stages)
+    on_meta = [name for name, tensor in _named_tensors(stages) if tensor.is_meta]
+    if not on_meta:
+        _move(modules, device)
+        if init is not None:
+            _fill(stages, modules, init, device, rank)
+        return False
+    if init is None:
+        raise ExecutionError(
+            f"rank {rank}: the model was built on the meta device: this rank's stages hold {len(on_meta)} tensors "
+            f"with no values ({_names(on_meta)}); give pipe.engine(rank, device=..., init=...) a checkpoint "
+            "(path or state dict with the model's names), a function to run on each submodule "
+            "(octopipe.models.init_module for the built-in models), or \"reset\" (each module's reset_parameters)")
+    created: dict[int, torch.Tensor] = {}  # old tensor -> its replacement: tied tensors stay one object
+    replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in modules:
+        for table, make in ((module._parameters, _unset_parameter), (module._buffers, _unset)):
+            for name, tensor in list(table.items()):
+                if tensor is not None and tensor.is_meta:
+                    if id(tensor) not in created:
+                        created[id(tensor)] = make(tensor, device)
+                    replaced.append((table, name, tensor))
+                    table[name] = created[id(tensor)]
+    try:
+        _move(modules, device)  # whatever was real already (a buffer built outside the meta context)
+        with torch.no_grad():
+            for module in modules:
+                reset = getattr(module, "reset_buffers", None)
+                if callable(reset):
+                    reset()
+        _fill(stages, modules, init, device, rank)
+        _check_initialized(stages, rank, init)
+    except BaseException:
+        for table, name, tensor in reversed(replaced):
+            table[name] = tensor
+        raise
+    return True
+
+
+def is_checkpoint(init: Init) -> bool:
+    """Whether `init` names values (a path or a state dict) rather than a way to draw them."""
+    return isinstance(init, (Mapping, os.PathLike)) or (isinstance(init, str) and init != "reset")
+
+
+def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str, Any] | None:
+    """The state dict `init` names ({"model": {name: tensor}} as `Engine.load_state_dict` takes
+    it), or None when `init` is a function or "reset"."""
+    if not is_checkpoint(init):
+        return None
+    if isinstance(init, Mapping):
+        state = init
+    else:
+        path = os.fspath(init)  # type: ignore[arg-type]
+        if not os.path.exists(path):
+            raise ExecutionError(f"rank {rank}: init checkpoint {path!r} does not exist; give the path of a "
+                                 "checkpoint (Engine.save_checkpoint or torch.save(model.state_dict(), path))")
+        state = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(state, Mapping):
+        raise ExecutionError(f"rank {rank}: init checkpoint is a {type(state).__name__}, not a state dict")
+    return state if isinstance(state.get("model"), Mapping) else {"model": state}
+
+
+def _fill(stages: Sequence[StageModule], modules: Sequence[nn.Module], init: Init, device: torch.device,
+          rank: int) -> None:
+    state = checkpoint_state(init, device, rank)
+    with torch.no_grad():
+        if state is not None:
+            values = state["model"]
+            params = {id(p) for stage in stages for p in stage.module.parameters()}
+            missing = []
+            for name, tensor in _named_tensors(stages):
+                if name in values:
+                    if tuple(values[name].shape) != tuple(tensor.shape):
+                        raise ExecutionError(f"rank {rank}: init checkpoint: {name!r} has shape {tuple(values[name].shape)}, "
+                                             f"the model's is {tuple(tensor.shape)}: is it this model's checkpoint?")
+                    tensor.copy_(values[name])
+                elif id(tensor) in params:
+                    missing.append(name)
+            if missing:
+                raise ExecutionError(f"rank {rank}: init checkpoint has no value for {len(missing)} parameters of this "
+                                     f"rank's stages ({_names(missing)}); is it this model's checkpoint?")
+        elif init == "reset":
+            for module in modules:
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        elif callable(init):
+            for module in modules:
+                init(module)
+        else:
+            raise ExecutionError(f"rank {rank}: init must be a checkpoint path, a state dict, a function of a module, "
+                                 f"or \"reset\"; got {type(init).__name__} {init!r}")
+
+
+def _check_initialized(stages: Sequence[StageModule], rank: int, init: Init) -> None:
+    """Raise if a tensor `materialize` created still holds its 'not set' marker."""
+    unset = [name for name, tensor in _named_tensors(stages) if _is_unset(tensor)]
+    if unset:
+        how = "the checkpoint lacks them" if is_checkpoint(init) else "init did not set them"
+        raise ExecutionError(
+            f"rank {rank}: {len(unset)} tensors of this rank's stages were left uninitialized after materializing "
+            f"({_names(unset)}): {how}. Give them values in init, or, for a table the module computes itself "
+            "(a non-persistent buffer), give its module a reset_buffers() method that recomputes it")
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def _unique_modules(stages: Sequence[StageModule]) -> list[nn.Module]:
+    """The original modules owning the stages' tensors, then the stage modules' own submodules,
+    each once: every holder of a tensor, so a replaced tensor is replaced everywhere."""
+    seen: set[int] = set()
+    modules = []
+    for stage in stages:
+        for module in [*stage.owners, *stage.module.modules()]:
+            if id(module) not in seen:
+                seen.add(id(module))
+                modules.append(module)
+    return modules
+
+
+def _named_tensors(stages: Sequence[StageModule]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(original name, tensor) of every parameter and buffer of `stages`, each object once."""
+    seen: set[int] = set()
+    for stage in stages:
+        named = [*stage.module.named_parameters(remove_duplicate=False), *stage.module.named_buffers(remove_duplicate=False)]
+        for local, tensor in named:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield stage.original_name(local), tensor
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(repr(name) for name in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def _unset_parameter(param: torch.Tensor, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(_unset(param, device), requires_grad=param.requires_grad)
+
+
+def _unset(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=device)
+    if tensor.dtype == torch.bool:
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+    return torch.full(tensor.shape, torch.iinfo(tensor.dtype).min, dtype=tensor.dtype, device=device)
+
+
+def _is_unset(tensor: torch.Tensor) -> bool:
+    if tensor.is_meta or tensor.numel() == 0:
+        return tensor.is_meta
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return bool(torch.isnan(tensor.detach()).any())
+    if tensor.dtype == torch.bool:
+        return False
+    return bool((tensor.detach() == torch.iinfo(tensor.dtype).min).any())
+
+
+def _move(modules: Sequence[nn.Module], device: torch.device) -> None:
+    """Every tensor of `modules` onto `device`, in place: a parameter keeps its identity (ties
+    and references held elsewhere stay valid)."""
+    moved: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in modules:
+            for param in module._parameters.values():
+                if param is not None and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device != device:
+                    if id(buffer) not in moved:
+                        moved[id(buffer)] = buffer.to(device)
+                    module._buffers[name] = moved[id(buffer)]

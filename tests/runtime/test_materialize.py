@@ -1,0 +1,141 @@
+"""A model built on the meta device: each rank creates only its own stages' tensors, from a
+checkpoint or an init function, and trains exactly as the plain model does; what init leaves
+unset is an error naming it, and a failed attempt leaves the stages as they were."""
+
+import pytest
+import torch
+from pipeline_helpers import assert_grads_close, build_model, reference
+
+import octopipe
+from octopipe import models
+from octopipe.errors import ExecutionError
+from octopipe.runtime import launch
+from octopipe.runtime.materialize import materialize
+from octopipe.runtime.stage import StageModule
+
+
+def _meta_pipe(name, schedule, num_devices=2, num_microbatches=4, **overrides):
+    """Compile `name` built on the meta device, as every rank of a torchrun job does."""
+    with torch.device("meta"):
+        model = models.build(name, **overrides)
+        inputs = models.example_inputs(name, batch_size=4, **overrides)
+        target = models.example_target(name, batch_size=4, **overrides)
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=num_devices)
+    return octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                            num_microbatches=num_microbatches, schedule=schedule, quiet=True)
+
+
+def _step_from_checkpoint(rank, world_size, schedule, path):
+    pipe = _meta_pipe("gemma", schedule)
+    engine = pipe.engine(rank, init=path)
+    _, inputs, target, _ = build_model("gemma")
+    loss = engine.step(inputs, target)
+    return loss, {name: p.grad.clone() for name, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_meta_model_from_a_checkpoint_trains_like_the_plain_model(tmp_path, schedule):
+    # gemma ties its head to its embedding (on both ranks); zb-h1 rewrites the linears, whose
+    # weights a stage then reads by attribute, away from their nn.Linear
+    model, *_ = build_model("gemma")
+    path = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), path)  # a plain state dict: no "model" key, no rotary tables
+    results = launch(_step_from_checkpoint, 2, (schedule, str(path)), timeout_s=90)
+    (reference_loss,), reference_grads, _ = reference("gemma")
+    seen = set()
+    for loss, grads in results:
+        assert loss == pytest.approx(reference_loss, rel=1e-5)
+        assert_grads_close(grads, reference_grads, schedule)
+        seen |= set(grads)
+    assert seen == set(reference_grads)
+
+
+def _step_from_init_function(rank, world_size):
+    pipe = _meta_pipe("gemma", "1f1b")
+    torch.manual_seed(100 + rank)  # each rank draws different values: the tied weight must still agree
+    engine = pipe.engine(rank, init=models.init_module)
+    _, inputs, target, _ = build_model("gemma")
+    loss = engine.step(inputs, target)
+    state = engine.gather_state_dict(0)
+    return loss, {name: p.grad.clone() for name, p in engine.named_parameters()}, state
+
+
+@pytest.mark.timeout(120)
+def test_meta_model_with_an_init_function_is_one_consistent_model():
+    results = launch(_step_from_init_function, 2, (), timeout_s=90)
+    state = results[0][2]
+    for value in state["model"].values():
+        assert torch.isfinite(value).all()
+    # the weights the ranks drew, put into the plain model, give the pipeline's loss and gradients
+    model, inputs, target, loss_fn = build_model("gemma")
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(state["model"], strict=False)
+    assert not torch.equal(before["embed.weight"], model.embed.weight)  # values from the ranks, not seed 0's
+    loss = loss_fn(model(*inputs), target)
+    loss.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    for rank_loss, grads, _ in results:
+        assert rank_loss == pytest.approx(loss.item(), rel=1e-5)
+        assert_grads_close(grads, expected, "init_module")
+
+
+def test_a_meta_model_needs_init():
+    pipe = _meta_pipe("llama", "1f1b")
+    with pytest.raises(ExecutionError, match=r"rank 0: the model was built on the meta device.*init=") as error:
+        pipe.engine(0)
+    assert "octopipe.models.init_module" in str(error.value)
+
+
+@pytest.mark.parametrize("init, message", [
+    (lambda module: None, r"rank 0: \d+ tensors .* left uninitialized .*'embed.weight'.*init did not set them"),
+    ({"model": {}}, r"rank 0: init checkpoint has no value for \d+ parameters .*'embed.weight'"),
+    ("no-such-checkpoint.pt", r"init checkpoint 'no-such-checkpoint.pt' does not exist"),
+    (42, r"init must be a checkpoint path, a state dict, a function of a module, or \"reset\""),
+])
+def test_what_init_leaves_unset_is_named_and_the_stages_stay_on_meta(init, message):
+    pipe = _meta_pipe("llama", "1f1b")
+    with pytest.raises(ExecutionError, match=message):
+        pipe.engine(0, init=init)
+    # nothing half-built is left behind: the next attempt starts from meta tensors again
+    assert all(p.is_meta for stage in pipe.stages for p in stage.module.parameters())
+    engine = pipe.engine(0, init=models.init_module)
+    assert all(torch.isfinite(p).all() for _, p in engine.named_parameters())
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    pipe = _meta_pipe("llama", "1f1b")
+    other, *_ = build_model("llama", hidden_size=32, num_heads=2, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ExecutionError, match=r"'embed.weight' has shape \(\d+, 32\), the model's is \(\d+, \d+\)"):
+        pipe.engine(0, init=other.state_dict())
+
+
+def test_reset_uses_each_modules_reset_parameters():
+    pipe = _meta_pipe("llama", "zb-h1")
+    engine = pipe.engine(1, init="reset")
+    params = dict(engine.named_parameters())
+    assert all(torch.isfinite(p).all() for p in params.values())
+    norm = next(name for name in params if name.endswith("norm.weight"))
+    assert torch.equal(params[norm], torch.ones_like(params[norm]))  # RMSNorm's reset
+
+
+@pytest.mark.parametrize("name", models.MODEL_NAMES)
+def test_init_module_covers_every_builtin_model_and_tables_are_recomputed(name):
+    torch.manual_seed(0)
+    plain = models.build(name)
+    with torch.device("meta"):
+        model = models.build(name)
+    whole = StageModule(0, model, (), ())
+    assert materialize([whole], torch.device("cpu"), models.init_module, rank=0)  # raises if anything stays unset
+    for (key, value), (plain_key, plain_value) in zip(model.named_buffers(), plain.named_buffers()):
+        assert key == plain_key and torch.equal(value, plain_value)  # RoPE tables: reset_buffers
+    for (key, value), (_, plain_value) in zip(model.named_parameters(), plain.named_parameters()):
+        assert value.shape == plain_value.shape and torch.isfinite(value).all(), key
+
+
+def test_engine_on_a_real_model_keeps_its_parameters():
+    model, inputs, target, loss_fn = build_model("gemma")
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=1), example_inputs=inputs,
+                            example_target=target, loss_fn=loss_fn, num_microbatches=2, schedule="1f1b", quiet=True)
+    engine = pipe.engine(0, device="cpu")
+    assert {id(p) for _, p in engine.named_parameters()} == {id(p) for p in model.parameters()}
