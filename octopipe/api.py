@@ -352,7 +352,7 @@ class Pipeline:
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
-        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer)."""
+        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init: see there)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.engine import Engine
 

@@ -61,12 +61,13 @@ def materialize(stages: Sequence[StageModule], device: torch.device, init: Init 
             f"with no values ({_names(on_meta)}); give pipe.engine(rank, device=..., init=...) a checkpoint "
             "(path or state dict with the model's names), a function to run on each submodule "
             "(octopipe.models.init_module for the built-in models), or \"reset\" (each module's reset_parameters)")
+    mine = {id(tensor) for _, tensor in _named_tensors(stages)}  # an owner may hold other ranks' tensors too
     created: dict[int, torch.Tensor] = {}  # old tensor -> its replacement: tied tensors stay one object
     replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for module in modules:
         for table, make in ((module._parameters, _unset_parameter), (module._buffers, _unset)):
             for name, tensor in list(table.items()):
-                if tensor is not None and tensor.is_meta:
+                if tensor is not None and tensor.is_meta and id(tensor) in mine:
                     if id(tensor) not in created:
                         created[id(tensor)] = make(tensor, device)
                     replaced.append((table, name, tensor))
@@ -208,16 +209,17 @@ def _is_unset(tensor: torch.Tensor) -> bool:
 
 
 def _move(modules: Sequence[nn.Module], device: torch.device) -> None:
-    """Every tensor of `modules` onto `device`, in place: a parameter keeps its identity (ties
-    and references held elsewhere stay valid)."""
+    """Every real tensor of `modules` onto `device`, in place: a parameter keeps its identity
+    (ties and references held elsewhere stay valid). Meta tensors stay: an owner module may
+    hold tensors of other ranks' stages."""
     moved: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for module in modules:
             for param in module._parameters.values():
-                if param is not None and param.device != device:
+                if param is not None and not param.is_meta and param.device != device:
                     param.data = param.data.to(device)
             for name, buffer in list(module._buffers.items()):
-                if buffer is not None and buffer.device != device:
+                if buffer is not None and not buffer.is_meta and buffer.device != device:
                     if id(buffer) not in moved:
                         moved[id(buffer)] = buffer.to(device)
                     module._buffers[name] = moved[id(buffer)]

@@ -139,3 +139,37 @@ def test_engine_on_a_real_model_keeps_its_parameters():
                             example_target=target, loss_fn=loss_fn, num_microbatches=2, schedule="1f1b", quiet=True)
     engine = pipe.engine(0, device="cpu")
     assert {id(p) for _, p in engine.named_parameters()} == {id(p) for p in model.parameters()}
+
+
+class _TwoEnds(torch.nn.Module):
+    """The root holds a parameter read by the first layer and one read by the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.zeros(8))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.last = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        x = x + self.first
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.last
+
+
+def test_a_rank_creates_only_its_own_tensors_of_a_module_shared_with_another_rank():
+    with torch.device("meta"):
+        model, x, y = _TwoEnds(), torch.zeros(4, 8), torch.zeros(4, 8)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=2), example_inputs=(x,),
+                            example_target=y, loss_fn=torch.nn.functional.mse_loss, num_microbatches=2,
+                            schedule="1f1b", quiet=True)
+
+    def fill(module):
+        for param in module.parameters(recurse=False):
+            param.fill_(0.5)
+
+    engine = pipe.engine(0, init=fill)
+    mine = dict(engine.named_parameters())
+    assert "first" in mine and "last" not in mine
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in mine.values())
+    assert model.first is mine["first"] and model.last.is_meta  # rank 1's tensor is not built here
