@@ -105,6 +105,8 @@ class Engine:
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
         self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
+        self._tied_ranks: dict[str, tuple[int, ...]] = {
+            i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
         if init is not None and not is_checkpoint(init):
             self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
         self.optimizer: torch.optim.Optimizer | None = None
@@ -172,11 +174,11 @@ class Engine:
 
     def _broadcast_tied(self) -> None:
         """Collective over each tie group: its lowest rank's value of every tied parameter."""
-        ranks_of = {i.param: tuple(i.ranks) for i in self.program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[arg-type]
-        for name in sorted(ranks_of):  # the same order on every rank
-            group = self._tied_groups.get(ranks_of[name])
+        for name in sorted(self._tied_ranks):  # the same order on every rank
+            ranks = self._tied_ranks[name]
+            group = self._tied_groups.get(ranks)
             if group is not None:
-                dist.broadcast(self._params[name].data, src=min(ranks_of[name]), group=group)
+                dist.broadcast(self._params[name].data, src=min(ranks), group=group)
 
     # -- parameters and optimizer ------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -215,6 +217,36 @@ class Engine:
     def zero_grad(self) -> None:
         for param in self._params.values():
             param.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Collective (every rank calls it, after `step`, before the optimizer): scale this rank's
+        gradients so that the norm of the whole model's gradient, every parameter counted once
+        across all ranks (a tied one by the lowest rank holding it), is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` does on the plain model. Returns that norm before
+        clipping. A norm taken on one rank alone would clip each rank by a different factor."""
+        if not max_norm > 0:
+            raise ExecutionError(f"rank {self.rank}: clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        norm_type = float(norm_type)
+        counted = [param.grad for name, param in self._params.items()
+                   if param.grad is not None and self.rank == min(self._tied_ranks.get(name, (self.rank,)))]
+        if norm_type == float("inf"):
+            local = max((grad.detach().abs().max().double() for grad in counted), default=None)
+            total = torch.zeros((), dtype=torch.float64, device=self.device) if local is None else local
+            reduce_op = dist.ReduceOp.MAX
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for grad in counted:
+                total += torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
+            reduce_op = dist.ReduceOp.SUM
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(total, op=reduce_op)
+        norm = float(total) if norm_type == float("inf") else float(total) ** (1.0 / norm_type)
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for param in self._params.values():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        return norm
 
     def optimizer_step(self) -> None:
         """Step the attached optimizer with the gradients of the last `step`, then zero them."""
