@@ -62,21 +62,36 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
     return PairedSpeedup(statistics.median(ratios), low, high)
 
 
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -> Any:
+    """The optimizer `octopipe train` and the measured runs step: "sgd" or "adamw" (torch's
+    defaults otherwise). None for a rank without parameters (a plan may leave one idle)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    if not params:
+        return None
+    return torch.optim.SGD(params, lr=learning_rate) if name == "sgd" else torch.optim.AdamW(params, lr=learning_rate)
+
+
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
-                  warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False
+                  warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
+                  optimizer: str = "sgd", clip_grad: float | None = None
                   ) -> tuple[list[StepTiming], list[Durations]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
     engines = [pipe.engine(rank) for pipe in pipes]
-    # a rank the plan leaves without stages holds no parameters: it has nothing to optimize
-    optimizers = [torch.optim.SGD(params, lr=learning_rate) if learning_rate and params else None
-                  for params in ([p for _, p in e.named_parameters()] for e in engines)]
+    optimizers = [training_optimizer(optimizer, [p for _, p in e.named_parameters()], learning_rate)
+                  if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
 
     def after_step(engine: Any, optimizer: Any) -> None:
+        if clip_grad is not None:
+            engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
             optimizer.step()
         _clear_grads(engine)
@@ -112,11 +127,14 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
-                  learning_rate: float = 0.0, timeout_s: float = 600.0) -> StepTiming:
+                  learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
+                  clip_grad: float | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
-    step times of rank 0 (each step between two barriers)."""
-    return measure_many([pipe], inputs, target, steps=steps, warmup=warmup, learning_rate=learning_rate,
-                        timeout_s=timeout_s)[0]
+    step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
+    ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
+    `clip_grad` across ranks (`Engine.clip_grad_norm_`) when given."""
+    return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
+                    clip_grad)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -146,15 +164,18 @@ def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequ
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
-             warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False
-             ) -> tuple[list[StepTiming], list[list[Durations]]]:
+             warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
+             clip_grad: float | None = None) -> tuple[list[StepTiming], list[list[Durations]]]:
     from octopipe.runtime import launch
 
     sizes = {pipe.world_size for pipe in pipes}
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
-                                                        learning_rate, tuple(probes), rewarm), timeout_s=timeout_s)
+                                                        learning_rate, tuple(probes), rewarm, optimizer, clip_grad),
+                     timeout_s=timeout_s)
     return results[0][0], [durations for _, durations in results]
 
 

@@ -318,6 +318,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from octopipe.bench import measure_steps
     from octopipe.errors import OctopipeError
 
+    if args.clip_grad is not None and not args.clip_grad > 0:
+        raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.torchrun:
         print(torchrun_command(args))
         return EXIT_OK
@@ -343,7 +345,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
     print(pipe.dump("plan"))
-    timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr)
+    timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
+                           optimizer=args.optimizer, clip_grad=args.clip_grad)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
@@ -361,6 +364,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
 
     import octopipe
     from octopipe import models
+    from octopipe.bench import training_optimizer
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime import init_from_env
 
@@ -396,11 +400,12 @@ def _train_distributed(args: argparse.Namespace) -> int:
     engine = pipe.engine(rank, device=device, init=init)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
-    params = [p for _, p in engine.named_parameters()]
-    optimizer = torch.optim.SGD(params, lr=args.lr) if params else None  # a rank without stages has none
+    optimizer = training_optimizer(args.optimizer, [p for _, p in engine.named_parameters()], args.lr)
     for step in range(args.steps):
         start = time.perf_counter()
         loss = engine.step(inputs, target)
+        if args.clip_grad is not None:
+            engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -441,10 +446,11 @@ def torchrun_command(args: argparse.Namespace) -> str:
     plan_arg += "".join(f" --set {item}" for item in args.set or ())
     plan_arg += f" --seq-len {args.seq_len}" if args.seq_len else ""
     plan_arg += f" --cluster {args.cluster}" if args.cluster else ""
+    clip = f" --clip-grad {args.clip_grad}" if args.clip_grad is not None else ""
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 -m octopipe.cli train --model {args.model} --size {args.size} "
             f"--batch-size {args.batch_size}{plan_arg} --microbatches {args.microbatches} --steps {args.steps} "
-            f"--lr {args.lr}")
+            f"--lr {args.lr} --optimizer {args.optimizer}{clip}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -521,7 +527,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                   help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
     p.add_argument("--init", metavar="CHECKPOINT", default=None,
                    help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
