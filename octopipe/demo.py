@@ -37,6 +37,21 @@ NUM_DEVICES = 2
 MIN_GAIN = 0.02
 
 
+def verdict(pairs, baseline: str, same_plan: bool = False) -> str:
+    """One line a newcomer can act on: did our plan win against `baseline` by more than this
+    machine's step-to-step noise? The test: the middle half of the per-step ratios (steps run
+    back to back) lies above 1 (a win), below 1 (a loss), or spans 1 (noise)."""
+    if same_plan:
+        return (f"verdict: our plan is {baseline}'s own (the search found nothing better by the margin): any "
+                "measured difference is this machine's noise")
+    where = f"per-step middle half {pairs.low:.3f}x-{pairs.high:.3f}x"
+    if pairs.low > 1.0:
+        return f"verdict: faster than {baseline}, beyond this machine's noise ({where})"
+    if pairs.high < 1.0:
+        return f"verdict: slower than {baseline}, beyond this machine's noise ({where})"
+    return f"verdict: no difference from {baseline} beyond this machine's noise ({where})"
+
+
 def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s: float = 20.0, quick: bool = False,
              say=print) -> dict:
     import octopipe
@@ -116,6 +131,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
             f"{paired_speedup(timing_ours, timing)}), predicted {predicted / predictions[0]:.3f}x{same}")
     measured = timing_theirs.median_ms / timing_ours.median_ms
     predicted = predictions[1] / predictions[0]
+    say(verdict(paired_speedup(timing_ours, timing_theirs), best_name, rows[1][1].plan == ours.plan))
     picture = out / "timelines.png"
     draw_comparison({"octopipe": ours.simulation, best_name: theirs.simulation}, picture,
                     title="predicted timelines (profiled costs)")

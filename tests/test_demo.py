@@ -19,6 +19,21 @@ def test_quick_demo_trains_every_plan_to_the_same_losses_and_writes_pictures(tmp
     assert len(losses) == 1, f"plans trained to different losses:\n{text}"  # pipelining changes no arithmetic
     assert result["ours_ms"] > 0 and result["baseline_ms"] > 0
     assert "speedup over" in text and "per-step pairs" in text and "balance bound" in text
+    assert re.search(r"^verdict: (faster than|slower than|no difference from|our plan is) ", text, re.M), text
     assert result["paired_speedup"].low <= result["paired_speedup"].median <= result["paired_speedup"].high
     assert (tmp_path / "demo" / "timelines.png").stat().st_size > 0
     assert (tmp_path / "demo" / "report.txt").read_text().startswith("OctoPipe plan")
+
+
+@pytest.mark.parametrize("low, high, starts", [
+    (1.02, 1.10, "verdict: faster than zb-h1/uniform"),
+    (0.90, 0.98, "verdict: slower than zb-h1/uniform"),
+    (0.97, 1.05, "verdict: no difference from zb-h1/uniform"),
+])
+def test_the_verdict_reads_the_middle_half_of_the_paired_steps(low, high, starts):
+    from octopipe.bench import PairedSpeedup
+    from octopipe.demo import verdict
+
+    line = verdict(PairedSpeedup((low + high) / 2, low, high), "zb-h1/uniform")
+    assert line.startswith(starts) and f"{low:.3f}x-{high:.3f}x" in line
+    assert verdict(PairedSpeedup(1.0, 0.99, 1.01), "1f1b/uniform", same_plan=True).startswith("verdict: our plan is")
