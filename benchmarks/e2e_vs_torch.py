@@ -94,7 +94,7 @@ class MultimodalChunk(nn.Module):
         return self.tail(hidden) if self.last else (hidden, vision)
 
 
-def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int):
+def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int, num_microbatches: int):
     from torch.distributed import pipelining
 
     chunk_class = MultimodalChunk if name == "multimodal" else DecoderChunk
@@ -111,8 +111,8 @@ def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int):
                                            torch.device("cpu")) for s in own]
         schedule_class = getattr(pipelining, class_name)
         try:
-            schedule = (schedule_class(stages[0], NUM_MICROBATCHES, loss_fn=models.lm_loss) if per_rank == 1
-                        else schedule_class(stages, NUM_MICROBATCHES, loss_fn=models.lm_loss))
+            schedule = (schedule_class(stages[0], num_microbatches, loss_fn=models.lm_loss) if per_rank == 1
+                        else schedule_class(stages, num_microbatches, loss_fn=models.lm_loss))
         except Exception as exc:  # noqa: BLE001 - a schedule torch refuses for this shape is reported, not fatal
             built[class_name] = f"refused: {exc}"
             continue
@@ -125,7 +125,7 @@ def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int,
     model, inputs, target = _data(name)
     # the compiled pipeline shares parameters with its own copy of the model; torch's chunks use `model`
     engine = pipe.engine(rank)
-    schedules = _torch_schedules(model, name, rank, world_size)
+    schedules = _torch_schedules(model, name, rank, world_size, pipe.num_microbatches)
 
     def run_ours() -> None:
         engine.step(inputs, target)
@@ -175,23 +175,26 @@ def main() -> None:
                         help="time each run's first step of its turn (memory it left cold, see bench.measure_many)")
     parser.add_argument("--models", default=",".join(CONFIGS))
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
+    parser.add_argument("--microbatches", type=int, default=NUM_MICROBATCHES,
+                        help=f"microbatches of the batch of {BATCH_SIZE} (a divisor of it)")
     args = parser.parse_args()
+    num_microbatches = args.microbatches
     torch.set_num_threads(1)
     calibrated = calibrate_cpu_cluster(2)
     print(f"2 ranks, gloo, CPU, 1 thread each; link {calibrated.latency_s * 1e6:.0f} us, "
-          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {NUM_MICROBATCHES} microbatches; "
+          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {num_microbatches} microbatches; "
           f"median of {args.steps} steps after {args.warmup} warm-up (a step = the slowest rank)")
     header = f"{'model':<11} {'octopipe ms':>11} {'best torch schedule':<30} {'torch ms':>9} {'tokens/s ours':>13} " \
              f"{'tokens/s torch':>14} {'speedup':>8}  per-step pairs: median (middle half)"
     lines = []
     for name in args.models.split(","):
         model, inputs, target = _data(name)
-        profile = runtime_profile(model, inputs, target, models.lm_loss, NUM_MICROBATCHES,
+        profile = runtime_profile(model, inputs, target, models.lm_loss, num_microbatches,
                                   op_overhead_ms=calibrated.op_overhead_ms, rewarm=not args.no_rewarm)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
-        result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit, quiet=True)
+        result = octopipe.plan(costs, cluster, num_microbatches, time_limit_s=args.time_limit, quiet=True)
         pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                num_microbatches=NUM_MICROBATCHES, costs=costs, plan=result.plan)
+                                num_microbatches=num_microbatches, costs=costs, plan=result.plan)
         per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600)
         steps_of = {}
         for key, times in per_rank[0]["times"].items():

@@ -49,11 +49,14 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="planner seconds per model")
     parser.add_argument("--no-rewarm", action="store_true",
                         help="time each pipeline's first step of its turn (memory it left cold, see bench.measure_many)")
+    parser.add_argument("--microbatches", type=int, default=NUM_MICROBATCHES,
+                        help="microbatches of each model's batch (a divisor of it)")
     args = parser.parse_args()
+    num_microbatches = args.microbatches
     torch.set_num_threads(1)
     calibrated = calibrate_cpu_cluster(2)
     print(f"2 CPU processes (gloo, 1 thread each); link {calibrated.latency_s * 1e6:.0f} us, "
-          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {NUM_MICROBATCHES} microbatches")
+          f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {num_microbatches} microbatches")
     print(f"{'model':<11} {'plan':<26} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'relative':>9} "
           f"{'earlier ms':>10} {'error':>8}")
     errors = []
@@ -62,17 +65,17 @@ def main() -> None:
     floors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
-        probe = runtime_probe(model, inputs, target, models.lm_loss, NUM_MICROBATCHES)
+        probe = runtime_probe(model, inputs, target, models.lm_loss, num_microbatches)
         profile = probe.run(inputs, target, op_overhead_ms=calibrated.op_overhead_ms, rewarm=not args.no_rewarm)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
         plans = {}
         for schedule in SCHEDULES:
-            plans[f"{schedule}/balanced"] = octopipe.schedules.build(schedule, costs, cluster, NUM_MICROBATCHES,
+            plans[f"{schedule}/balanced"] = octopipe.schedules.build(schedule, costs, cluster, num_microbatches,
                                                                       partition="balanced")
-        plans["octopipe"] = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=args.time_limit,
+        plans["octopipe"] = octopipe.plan(costs, cluster, num_microbatches, time_limit_s=args.time_limit,
                                           quiet=True).plan
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                  num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan)
+                                  num_microbatches=num_microbatches, costs=costs, plan=plan)
                  for plan in [*plans.values(), plans["1f1b/balanced"]]]
         timings, now = measure_with_profile(pipes, probe, inputs, target, steps=args.steps, warmup=1,
                                             op_overhead_ms=cluster.op_overhead_ms, rewarm=not args.no_rewarm)
