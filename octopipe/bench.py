@@ -65,11 +65,15 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
 OPTIMIZERS = ("sgd", "adamw")
 
 
+def _check_optimizer(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
 def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -> Any:
     """The optimizer `octopipe train` and the measured runs step: "sgd" or "adamw" (torch's
     defaults otherwise). None for a rank without parameters (a plan may leave one idle)."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    _check_optimizer(name)
     if not params:
         return None
     return torch.optim.SGD(params, lr=learning_rate) if name == "sgd" else torch.optim.AdamW(params, lr=learning_rate)
@@ -171,8 +175,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     sizes = {pipe.world_size for pipe in pipes}
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad),
                      timeout_s=timeout_s)

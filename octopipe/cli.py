@@ -90,13 +90,11 @@ def _load_model(spec: str, size: str, batch_size: int, seq_len: int | None, over
     from octopipe.errors import OctopipeError
 
     if spec in models.MODEL_NAMES:
-        fields = _overrides(overrides)
         device = "meta" if size == "paper" else "cpu"
         with torch.device(device):
             torch.manual_seed(0)
-            model = models.build(spec, size, **fields)
-            inputs = models.example_inputs(spec, size, batch_size=batch_size, seq_len=seq_len, **fields)
-            target = models.example_target(spec, size, batch_size=batch_size, seq_len=seq_len, **fields)
+            model = models.build(spec, size, **_overrides(overrides))
+            inputs, target = _builtin_batch(spec, size, batch_size, seq_len, overrides)
         return model, inputs, target, models.lm_loss
     module_name, _, factory_name = spec.partition(":")
     if not factory_name:
@@ -111,6 +109,15 @@ def _load_model(spec: str, size: str, batch_size: int, seq_len: int | None, over
                             "(and optionally 'target', 'loss_fn')")
     inputs = made["inputs"] if isinstance(made["inputs"], tuple) else (made["inputs"],)
     return made["model"], inputs, made.get("target"), made.get("loss_fn", models.lm_loss)
+
+
+def _builtin_batch(spec: str, size: str, batch_size: int, seq_len: int | None, overrides: list[str]) -> tuple[tuple, Any]:
+    """A built-in model's example batch (inputs, target), on the default device."""
+    from octopipe import models
+
+    fields = _overrides(overrides)
+    return (models.example_inputs(spec, size, batch_size=batch_size, seq_len=seq_len, **fields),
+            models.example_target(spec, size, batch_size=batch_size, seq_len=seq_len, **fields))
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -424,13 +431,8 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
     from octopipe.errors import OctopipeError
 
     if args.model in models.MODEL_NAMES:
-        fields = _overrides(args.set)
         with torch.device("cpu"):
-            inputs = models.example_inputs(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len,
-                                           **fields)
-            target = models.example_target(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len,
-                                           **fields)
-        return inputs, target
+            return _builtin_batch(args.model, args.size, args.batch_size, args.seq_len, args.set)
     if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
         raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
                             "batch (the model alone may be on meta)")

@@ -1387,6 +1387,9 @@ def _ordered_fits(loads: Sequence[int], starts: Sequence[int], num_devices: int,
         rest[i] = rest[i + 1] + loads[i]
         smallest[i] = min(smallest[i + 1], loads[i])
     room_at = [(limit - start) // m for start in starts]
+    room_before = [0] * (n + 1)  # room_before[k]: the rooms of new devices opened at layers < k
+    for k in range(n):
+        room_before[k + 1] = room_before[k] + max(0, room_at[k])
     failed: set[tuple[int, tuple[int, ...], int]] = set()
 
     def search(i: int, rooms: tuple[int, ...], opened: int) -> bool:
@@ -1399,7 +1402,7 @@ def _ordered_fits(loads: Sequence[int], starts: Sequence[int], num_devices: int,
         budget[0] -= 1
         if budget[0] < 0:
             raise _BudgetExhausted
-        future = sum(max(0, room_at[k]) for k in range(i, min(n, i + num_devices - opened)))
+        future = room_before[min(n, i + num_devices - opened)] - room_before[i]
         if sum(rooms) + future < rest[i]:
             failed.add(key)
             return False

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from octopipe.errors import ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
-from octopipe.runtime.materialize import Init, is_checkpoint, materialize
+from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
 
 
@@ -104,9 +104,9 @@ class Engine:
         self._params = self._tie_local_parameters()
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
-        self._tied_names = sorted({i.param for i in program.instructions if i.kind is InstrKind.REDUCE_TIED})  # type: ignore[type-var]
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
+        """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
         if init is not None and not is_checkpoint(init):
             self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
         self.optimizer: torch.optim.Optimizer | None = None
@@ -278,7 +278,7 @@ class Engine:
         # a tied gradient is all-reduced: set aside what earlier steps accumulated, so only this
         # step's contributions are summed across ranks (added back at `step`)
         self._tied_earlier = {}
-        for name in self._tied_names:
+        for name in sorted(self._tied_ranks):
             param = self._params.get(name)
             if param is not None:
                 self._tied_earlier[name] = param.grad
@@ -513,16 +513,8 @@ class Engine:
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds from a full (merged) state or a shard."""
-        model = state["model"]
-        with torch.no_grad():
-            for name, param in self._params.items():
-                if name in model:
-                    param.copy_(model[name])
-                elif strict:
-                    raise ExecutionError(f"rank {self.rank}: state has no parameter {name!r}")
-            for name, buffer in self.named_buffers():
-                if name in model:
-                    buffer.copy_(model[name])
+        load_named([*((name, param, strict) for name, param in self._params.items()),
+                    *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
         if self.optimizer is not None and "optimizer" in state:
             load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
 

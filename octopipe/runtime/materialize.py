@@ -28,7 +28,7 @@ parameter object held by several modules (it stays one object).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -49,7 +49,8 @@ def materialize(stages: Sequence[StageModule], device: torch.device, init: Init 
     the same way). Returns whether tensors were created. If filling fails, the stages are left
     on the meta device as they were, so a second attempt starts clean."""
     modules = _unique_modules(stages)
-    on_meta = [name for name, tensor in _named_tensors(stages) if tensor.is_meta]
+    tensors = list(_named_tensors(stages))
+    on_meta = [name for name, tensor in tensors if tensor.is_meta]
     if not on_meta:
         _move(modules, device)
         if init is not None:
@@ -61,7 +62,7 @@ def materialize(stages: Sequence[StageModule], device: torch.device, init: Init 
             f"with no values ({_names(on_meta)}); give pipe.engine(rank, device=..., init=...) a checkpoint "
             "(path or state dict with the model's names), a function to run on each submodule "
             "(octopipe.models.init_module for the built-in models), or \"reset\" (each module's reset_parameters)")
-    mine = {id(tensor) for _, tensor in _named_tensors(stages)}  # an owner may hold other ranks' tensors too
+    mine = {id(tensor) for _, tensor in tensors}  # an owner may hold other ranks' tensors too
     created: dict[int, torch.Tensor] = {}  # old tensor -> its replacement: tied tensors stay one object
     replaced: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for module in modules:
@@ -75,10 +76,7 @@ def materialize(stages: Sequence[StageModule], device: torch.device, init: Init 
     try:
         _move(modules, device)  # whatever was real already (a buffer built outside the meta context)
         with torch.no_grad():
-            for module in modules:
-                reset = getattr(module, "reset_buffers", None)
-                if callable(reset):
-                    reset()
+            _call_each(modules, "reset_buffers")
         _fill(stages, modules, init, device, rank)
         _check_initialized(stages, rank, init)
     except BaseException:
@@ -111,30 +109,38 @@ def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str
     return state if isinstance(state.get("model"), Mapping) else {"model": state}
 
 
+def load_named(tensors: Iterable[tuple[str, torch.Tensor, bool]], values: Mapping[str, Any], rank: int,
+               what: str) -> None:
+    """Copy `values[name]` into each (name, tensor, required) of `tensors`; a required name
+    `values` lacks, or a value of another shape, is an error naming them (`what`: the source).
+    The one loader of a rank's tensors by the model's names: a checkpoint `init` and
+    `Engine.load_state_dict`."""
+    missing = []
+    with torch.no_grad():
+        for name, tensor, required in tensors:
+            if name in values:
+                if tuple(values[name].shape) != tuple(tensor.shape):
+                    raise ExecutionError(f"rank {rank}: {what}: {name!r} has shape {tuple(values[name].shape)}, the "
+                                         f"model's is {tuple(tensor.shape)}: is it this model's?")
+                tensor.copy_(values[name])
+            elif required:
+                missing.append(name)
+    if missing:
+        raise ExecutionError(f"rank {rank}: {what} has no value for {len(missing)} parameters of this rank's stages "
+                             f"({_names(missing)}); is it this model's?")
+
+
 def _fill(stages: Sequence[StageModule], modules: Sequence[nn.Module], init: Init, device: torch.device,
           rank: int) -> None:
     state = checkpoint_state(init, device, rank)
+    if state is not None:
+        params = {id(p) for stage in stages for p in stage.module.parameters()}
+        load_named(((name, tensor, id(tensor) in params) for name, tensor in _named_tensors(stages)), state["model"],
+                   rank, "init checkpoint")
+        return
     with torch.no_grad():
-        if state is not None:
-            values = state["model"]
-            params = {id(p) for stage in stages for p in stage.module.parameters()}
-            missing = []
-            for name, tensor in _named_tensors(stages):
-                if name in values:
-                    if tuple(values[name].shape) != tuple(tensor.shape):
-                        raise ExecutionError(f"rank {rank}: init checkpoint: {name!r} has shape {tuple(values[name].shape)}, "
-                                             f"the model's is {tuple(tensor.shape)}: is it this model's checkpoint?")
-                    tensor.copy_(values[name])
-                elif id(tensor) in params:
-                    missing.append(name)
-            if missing:
-                raise ExecutionError(f"rank {rank}: init checkpoint has no value for {len(missing)} parameters of this "
-                                     f"rank's stages ({_names(missing)}); is it this model's checkpoint?")
-        elif init == "reset":
-            for module in modules:
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
+        if init == "reset":
+            _call_each(modules, "reset_parameters")
         elif callable(init):
             for module in modules:
                 init(module)
@@ -179,6 +185,14 @@ def _named_tensors(stages: Sequence[StageModule]) -> Iterator[tuple[str, torch.T
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield stage.original_name(local), tensor
+
+
+def _call_each(modules: Sequence[nn.Module], method: str) -> None:
+    """`module.method()` for each module that defines it."""
+    for module in modules:
+        function = getattr(module, method, None)
+        if callable(function):
+            function()
 
 
 def _names(names: Sequence[str]) -> str:
