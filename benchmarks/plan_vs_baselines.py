@@ -22,7 +22,10 @@ devices and microbatches grow. Usage:
 
     python benchmarks/plan_vs_baselines.py [--time-limit 60] [--models deepseek-16B,gpt-13B]
         [--devices 4,8,16] [--factors 2,4] [--no-analytic] [--analytic-models gemma,llama] [--no-growth]
-        [--activation-limit 1f1b|none]
+        [--activation-limit 1f1b|none] [--no-recompute]
+
+(`--no-recompute`: plans never recompute activations; by default the planner may, and the summary
+says in how many cases its plan does.)
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class Case:
     seconds: float = math.nan
     cut_short: bool = False
     stages: int = 0
+    recomputed: int = 0
+    """Stages of our plan that recompute their activations."""
     error: str = ""
 
     @property
@@ -110,7 +115,7 @@ def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None)
 
 
 def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_limit_s: float,
-             activation_limit: str | None = "1f1b") -> Case:
+             activation_limit: str | None = "1f1b", recompute: bool = True) -> Case:
     case = Case(name, devices, microbatches)
     cluster = ClusterSpec.preset("h100x16", num_devices=devices)
     if devices > len(costs):
@@ -118,7 +123,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
         return case
     try:
         result = plan(costs, cluster, microbatches, time_limit_s=time_limit_s, activation_limit=activation_limit,
-                      quiet=True)
+                      quiet=True, recompute=recompute)
     except OctopipeError as exc:
         case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
         return case
@@ -132,6 +137,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
     case.lower_ms = report.lower_bound_ms
     case.seconds, case.cut_short = report.planning_seconds, report.cut_short
     case.stages = result.plan.num_stages
+    case.recomputed = sum(result.plan.recompute)
     return case
 
 
@@ -192,6 +198,10 @@ def summary(cases: list[Case]) -> list[str]:
         small_gap = [c for c in done if c.gap <= 0.05]
         lines.append(f"gap to the lower bound <= 5%: {len(small_gap)}/{len(done)} cases; worst {max(c.gap for c in done):.1%}; "
                      f"mean {sum(c.gap for c in done) / len(done):.1%}")
+        again = [c for c in done if c.recomputed]
+        lines.append(f"activation recomputation in our plan: {len(again)}/{len(done)} cases"
+                     + (": " + ", ".join(f"{c.table} p={c.devices} m={c.microbatches} ({c.recomputed}/{c.stages} stages)"
+                                         for c in again) if again else ""))
         cut = [c for c in done if c.cut_short]
         lines.append(f"planning time: max {max(c.seconds for c in done):.1f}s, {len(cut)} case(s) cut short by the limit")
     return lines
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--activation-limit", choices=("1f1b", "none"), default="1f1b",
                         help="1f1b: no device holds more activations than the 1F1B baselines' busiest (default); "
                              "none: only the device memory limits plans, ours and the baselines' alike")
+    parser.add_argument("--no-recompute", action="store_true", help="plans never recompute activations")
     args = parser.parse_args(argv)
     device_counts = [int(x) for x in args.devices.split(",")]
     factors = [int(x) for x in args.factors.split(",")]
@@ -243,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         for devices in device_counts:
             for factor in factors:
                 case = run_case(name, costs, devices, factor * devices, args.time_limit,
-                                None if args.activation_limit == "none" else args.activation_limit)
+                                None if args.activation_limit == "none" else args.activation_limit,
+                                recompute=not args.no_recompute)
                 cases.append(case)
                 print(format_case(case), flush=True)
     print()

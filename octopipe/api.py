@@ -61,6 +61,7 @@ def plan(
     quiet: bool = False,
     progress: Callable[[str], None] | None = None,
     min_gain: float = 0.0,
+    recompute: bool = True,
 ) -> PlanResult:
     """Jointly choose partition, placement and op order for `costs` on `cluster`.
 
@@ -76,7 +77,11 @@ def plan(
     min_gain: return the best baseline that fits unless the searched plan is at least this much
     faster on paper (0.02 = 2%). The search's plans can have more stages and ops than any
     baseline, and where the costs are only known to a few percent (CPU runs, a rough profile) a
-    gain below their error is a coin toss; the report marks the baseline as chosen and says why."""
+    gain below their error is a coin toss; the report marks the baseline as chosen and says why.
+
+    recompute: let the search make stages recompute their activations (F keeps only the stage's
+    inputs, B runs the forward again): tried where memory holds microbatches back, kept only
+    where the plan gets faster or fits; the report lists the stages that do. False: never."""
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
@@ -125,7 +130,8 @@ def plan(
         say(f"tuning {len(costs)} layers on {p} devices x {num_microbatches} microbatches (limit {time_limit_s:.0f}s)")
     tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
                  effort=effort, activation_budget=[activation_budget] * p if activation_budget is not None else None,
-                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans, progress=say)
+                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans, progress=say,
+                 recompute=recompute)
     stage_seconds["tuner"] = time.perf_counter() - clock
     best_plan, origin = tuned.best.plan, "tuner"
     notes = [f"tuner: {tuned.structures} structures, {tuned.evaluations} plans simulated ({tuned.work} op-steps of "
@@ -172,6 +178,10 @@ def plan(
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
+    again = [stage.index for stage in best_plan.stages if stage.recompute]
+    if again:
+        notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "
+                     f"{best_plan.num_stages} (their B runs the forward again; they hold only their inputs until then)")
     report = PlanReport(
         rows=rows, chosen=chosen, num_devices=p, num_microbatches=num_microbatches, num_layers=len(costs),
         balance_bound_ms=num_microbatches * bound.load_ms, balance_bound_optimal=bound.optimal,
@@ -191,6 +201,19 @@ def plan(
 
 
 _search = plan  # compile()'s `plan` argument shadows the function
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    parts, run = [], [values[0]]
+    for value in values[1:]:
+        if value == run[-1] + 1:
+            run.append(value)
+        else:
+            parts.append(run)
+            run = [value]
+    parts.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in parts)
 
 
 def _stderr(message: str) -> None:
@@ -492,6 +515,7 @@ def compile(
     receive_ahead: int | None = None,
     seed: int = 0,
     quiet: bool = False,
+    recompute: bool = True,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -507,7 +531,8 @@ def compile(
     once the receive is posted (posted late, the data waits 10-35 ms for the sender's I/O thread
     to get a core while both ranks compute) and receives match sends by tag, so they need not
     keep the order of the rank's own sends to that peer; and 1 on NCCL, where every posted
-    receive holds a buffer and a pair's operations run in one order."""
+    receive holds a buffer and a pair's operations run in one order. recompute: whether the
+    search may make stages recompute their activations (see `plan`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import trace
@@ -545,7 +570,8 @@ def compile(
     else:
         result = timed("plan", lambda: _search(
             table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
-            memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet))
+            memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet,
+            recompute=recompute))
         chosen, report = result.plan, result.report
     if chosen.num_microbatches != num_microbatches:
         raise PlanError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="

@@ -237,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(costs, cluster, args.microbatches, num_devices=args.devices, time_limit_s=args.time_limit,
                   memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit else None,
                   activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
-                  min_gain=args.min_gain / 100)
+                  min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     print(result.report)
     if args.output:
         path = Path(args.output)
@@ -495,6 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-solver", action="store_true", help="skip the CP-SAT refinement")
     p.add_argument("--min-gain", type=float, default=0.0, metavar="PCT",
                    help="return the best baseline that fits unless the searched plan is at least PCT%% faster on paper")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="never recompute activations (by default the search may, where memory holds microbatches back)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")

@@ -25,7 +25,9 @@ another, in table order. On one device a tied parameter is held (and counted in 
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
-frees all but `weight_memory_fraction` at B's end and the rest at W's end.
+frees all but `weight_memory_fraction` at B's end and the rest at W's end. A stage that recomputes
+its activations (`Stage.recompute`) holds only its inputs and the outputs it sent from F to B (what
+the runtime keeps); its B allocates the rest again at its start and takes one more forward's time.
 
 Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a few milliseconds.
 """
@@ -78,9 +80,14 @@ class StageCosts:
     skips: tuple[tuple[int, int, float], ...] = ()
     """(producer stage, consumer stage, bytes): skip tensors sent past the next stage, one message
     per stage pair and microbatch (and their gradients back)."""
+    held: tuple[float, ...] = ()
+    """Bytes a stage holds per microbatch from its F to its B: its activations, or, where it
+    recomputes them, its inputs and the outputs it sends on (then its B allocates the rest again,
+    and takes one more F)."""
 
     @classmethod
-    def of(cls, boundaries: tuple[int, ...], costs: CostTable) -> StageCosts:
+    def of(cls, boundaries: tuple[int, ...], costs: CostTable, recompute: Sequence[bool] = ()) -> StageCosts:
+        """`recompute[s]`: stage s recomputes its activations (empty: none does)."""
         pairs = list(zip(boundaries[:-1], boundaries[1:]))
         output = costs.output
         chain = [float(output[b - 1]) for _, b in pairs]
@@ -99,15 +106,26 @@ class StageCosts:
                             chain[source] += skip.bytes
                     else:
                         links[(source, reader)] = links.get((source, reader), 0.0) + skip.bytes
+        forward = [costs.range_sum("forward", a, b) for a, b in pairs]
+        backward_input = [costs.range_sum("backward_input", a, b) for a, b in pairs]
+        backward_full = [costs.range_sum("backward_full", a, b) for a, b in pairs]
+        activation = [costs.range_sum("activation", a, b) for a, b in pairs]
+        output = [max(0.0, value) for value in chain]
+        held = list(activation)
+        for stage, again in enumerate(recompute):
+            if again:
+                backward_input[stage] += forward[stage]
+                backward_full[stage] += forward[stage]
+                inputs = (output[stage - 1] if stage else 0.0) + sum(size for (_, c), size in links.items() if c == stage)
+                outputs = output[stage] + sum(size for (a, _), size in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
+                held[stage] = min(inputs + outputs, activation[stage])
         return cls(
-            forward=tuple(costs.range_sum("forward", a, b) for a, b in pairs),
-            backward_input=tuple(costs.range_sum("backward_input", a, b) for a, b in pairs),
-            backward_full=tuple(costs.range_sum("backward_full", a, b) for a, b in pairs),
+            forward=tuple(forward), backward_input=tuple(backward_input), backward_full=tuple(backward_full),
             weight=tuple(costs.range_sum("weight", a, b) for a, b in pairs),
-            activation=tuple(costs.range_sum("activation", a, b) for a, b in pairs),
-            output=tuple(max(0.0, value) for value in chain),
+            activation=tuple(activation), output=tuple(output),
             params=tuple(costs.range_sum("params", a, b) for a, b in pairs),
             skips=tuple((a, c, size) for (a, c), size in sorted(links.items())),
+            held=tuple(held),
         )
 
 
@@ -120,7 +138,7 @@ def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
     key = ("stage_costs", id(costs))
     cached = plan._cache.get(key)
     if cached is None or cached[0] is not costs:
-        cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs))
+        cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs, plan.recompute))
     return cached[1]
 
 
@@ -371,7 +389,7 @@ def _run(
     activation = [0.0] * num_devices
     peak = [0.0] * num_devices
     forward, backward_input, backward_full, weight = sc.forward, sc.backward_input, sc.backward_full, sc.weight
-    act_bytes, out_bytes = sc.activation, sc.output
+    act_bytes, out_bytes, held = sc.activation, sc.output, sc.held
     keep_fraction = memory.weight_memory_fraction
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
@@ -506,12 +524,18 @@ def _run(
             done[key] = finish
             device_time[device] = finish
             last_op[device] = key
-            # memory: allocate at F start, free at B end (all or all but W's share) and at W end
+            # memory: allocate at F start (what the stage holds until B: all its activations, or
+            # its inputs where it recomputes the rest at B), free at B end (all or all but W's
+            # share) and at W end
             if kind is OpKind.F:
-                activation[device] += act_bytes[stage]
+                activation[device] += held[stage]
                 if activation[device] > peak[device]:
                     peak[device] = activation[device]
             elif kind is OpKind.B:
+                if held[stage] != act_bytes[stage]:
+                    activation[device] += act_bytes[stage] - held[stage]
+                    if activation[device] > peak[device]:
+                        peak[device] = activation[device]
                 activation[device] -= act_bytes[stage] * ((1.0 - keep_fraction) if is_split[base] else 1.0)
             else:
                 activation[device] -= act_bytes[stage] * keep_fraction

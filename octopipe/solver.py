@@ -42,7 +42,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan
-from octopipe.simulator import MemoryModel, SimResult, simulate
+from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
 
 TICKS_PER_MS = 1000
 
@@ -747,6 +747,21 @@ def _op_ticks(plan: PipelinePlan, costs: CostTable) -> dict[Op, int]:
     return ticks
 
 
+def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], keep: float) -> list[tuple[bool, int]]:
+    """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
+    them: F takes what its stage holds until B; a recomputing stage's B takes the rest at its start;
+    B frees round((1 - keep) x activation) (all of it without a W) at its end and W the rest, so
+    every microbatch gives back exactly what it took. Integers: the reservoir's units."""
+    amount = int(round(sc.activation[op.stage]))
+    held = int(round(sc.held[op.stage]))
+    if op.kind is OpKind.F:
+        return [(True, held)]
+    freed_by_b = amount if (op.stage, op.microbatch) not in split else int(round(amount * (1 - keep)))
+    if op.kind is OpKind.B:
+        return [(True, amount - held), (False, -freed_by_b)] if amount != held else [(False, -freed_by_b)]
+    return [(False, freed_by_b - amount)]
+
+
 def _ceil_ticks(ms: float) -> int:
     return int(math.ceil(ms * TICKS_PER_MS - 1e-6))
 
@@ -845,14 +860,12 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
             level, times, changes = 0, [], []
             for op in before + middle:
-                amount = int(round(sc.activation[op.stage]))
-                freed_by_b = amount if (op.stage, op.microbatch) not in split else int(round(amount * (1 - keep)))
-                change = amount if op.kind is OpKind.F else -freed_by_b if op.kind is OpKind.B else freed_by_b - amount
-                if op in start:
-                    times.append(start[op] if op.kind is OpKind.F else end[op])
-                    changes.append(change)
-                else:
-                    level += change
+                for at_start, change in _memory_events(op, sc, split, keep):
+                    if op in start:
+                        times.append(start[op] if at_start else end[op])
+                        changes.append(change)
+                    else:
+                        level += change
             if level:
                 times.append(free_at)
                 changes.append(level)
@@ -925,22 +938,12 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
                     pending = []
                     previous_fixed = op
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
-            # bytes as integers; B frees round((1 - w) x act) and W the rest, so every microbatch
-            # gives back exactly what its F took
             keep = memory.weight_memory_fraction
             times, changes = [], []
             for op in ops:
-                amount = int(round(sc.activation[op.stage]))
-                freed_by_b = amount if (op.stage, op.microbatch) not in split else int(round(amount * (1 - keep)))
-                if op.kind is OpKind.F:
-                    times.append(start[op])
-                    changes.append(amount)
-                elif op.kind is OpKind.B:
-                    times.append(end[op])
-                    changes.append(-freed_by_b)
-                else:
-                    times.append(end[op])
-                    changes.append(freed_by_b - amount)
+                for at_start, change in _memory_events(op, sc, split, keep):
+                    times.append(start[op] if at_start else end[op])
+                    changes.append(change)
             model.AddReservoirConstraint(times, changes, 0, int(activation_budget[device]) + len(ops))
     makespan = model.NewIntVar(0, horizon, "makespan")
     for op in start:

@@ -66,19 +66,28 @@ of one core each, so roughly 25 s on a slow core; small inputs converge long bef
 
 @dataclass(frozen=True, slots=True)
 class Structure:
-    """Partition (layer boundaries [0, b1, ..., L]) and placement (stage -> device)."""
+    """Partition (layer boundaries [0, b1, ..., L]), placement (stage -> device) and which stages
+    recompute their activations (empty: none)."""
 
     boundaries: tuple[int, ...]
     placement: tuple[int, ...]
     num_devices: int
+    recompute: tuple[bool, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.placement)
 
+    def recomputes(self, stage: int) -> bool:
+        return bool(self.recompute) and self.recompute[stage]
+
+    def with_recompute(self, flags: Sequence[bool]) -> Structure:
+        """This structure with these per-stage recompute flags (all off is stored as none)."""
+        return replace(self, recompute=tuple(bool(f) for f in flags) if any(flags) else ())
+
     def stage_loads(self, costs: CostTable) -> list[float]:
-        return [costs.range_sum("forward", a, b) + costs.range_sum("backward_full", a, b)
-                for a, b in zip(self.boundaries[:-1], self.boundaries[1:])]
+        return [costs.range_sum("forward", a, b) * (2 if self.recomputes(s) else 1) + costs.range_sum("backward_full", a, b)
+                for s, (a, b) in enumerate(zip(self.boundaries[:-1], self.boundaries[1:]))]
 
     def device_loads(self, costs: CostTable) -> list[float]:
         loads = [0.0] * self.num_devices
@@ -87,12 +96,12 @@ class Structure:
         return loads
 
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(Stage(i, a, b, self.placement[i])
+        return tuple(Stage(i, a, b, self.placement[i], self.recomputes(i))
                      for i, (a, b) in enumerate(zip(self.boundaries[:-1], self.boundaries[1:])))
 
     @classmethod
     def of(cls, plan: PipelinePlan) -> Structure:
-        return cls(plan.boundaries, plan.placement, plan.num_devices)
+        return cls(plan.boundaries, plan.placement, plan.num_devices).with_recompute(plan.recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,24 +136,21 @@ class Policy:
     leaves gaps that only W can fill)."""
 
 
-def _stage_arrays(structure: Structure, costs: CostTable, split: bool):
-    pairs = list(zip(structure.boundaries[:-1], structure.boundaries[1:]))
-    forward = [costs.range_sum("forward", a, b) for a, b in pairs]
-    full = [costs.range_sum("backward_full", a, b) for a, b in pairs]
-    weight = [costs.range_sum("weight", a, b) for a, b in pairs] if split else [0.0] * len(pairs)
-    backward = [costs.range_sum("backward_input", a, b) for a, b in pairs] if split else full
-    activation = [costs.range_sum("activation", a, b) for a, b in pairs]
-    # what each stage sends its successor (skip tensors move it; their own messages to later
-    # stages are the simulator's, not this scheduler's, to time)
-    output = list(StageCosts.of(structure.boundaries, costs).output) if costs.skips else [
-        costs.output[b - 1] for _, b in pairs]
-    return forward, backward, weight, activation, output
+def _stage_arrays(structure: Structure, costs: CostTable, split: bool) -> tuple[StageCosts, list[float], list[float]]:
+    """The structure's stage costs, and per stage the B and W durations under `split`. (What a
+    stage sends its successor, `output`, moves with skip tensors; their own messages to later
+    stages are the simulator's, not this scheduler's, to time.)"""
+    sc = StageCosts.of(structure.boundaries, costs, structure.recompute)
+    backward = list(sc.backward_input if split else sc.backward_full)
+    weight = list(sc.weight) if split else [0.0] * structure.num_stages
+    return sc, backward, weight
 
 
 def inflight_caps(structure: Structure, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
                   policy: Policy, activation_budget: Sequence[float] | None) -> list[int]:
     """Microbatches each stage may hold between its F and its B."""
-    forward, backward, weight, activation, output = _stage_arrays(structure, costs, policy.split_backward)
+    sc, backward, weight = _stage_arrays(structure, costs, policy.split_backward)
+    forward, output = sc.forward, sc.output
     num_stages = structure.num_stages
     placement = structure.placement
     if not policy.roundtrip_caps:
@@ -164,11 +170,11 @@ def inflight_caps(structure: Structure, costs: CostTable, cluster: ClusterSpec, 
     if activation_budget is not None:
         for device in range(structure.num_devices):
             stages = [s for s in range(num_stages) if placement[s] == device]
-            while sum(caps[s] * activation[s] for s in stages) > activation_budget[device] + 1e-6:
+            while sum(caps[s] * sc.held[s] for s in stages) > activation_budget[device] + 1e-6:
                 reducible = [s for s in stages if caps[s] > 1]
                 if not reducible:
                     break
-                s = max(reducible, key=lambda s: (caps[s] * activation[s], -s))
+                s = max(reducible, key=lambda s: (caps[s] * sc.held[s], -s))
                 caps[s] -= 1
     return caps
 
@@ -185,19 +191,23 @@ def list_schedule(
     """Order every device's ops for `structure` by bubble-aware list scheduling (see module doc).
     The result satisfies the per-device activation budget whenever one microbatch in flight per
     stage fits it. Raises PlanError when the budget leaves no device anything to run."""
-    forward, backward, weight, activation, output = _stage_arrays(structure, costs, policy.split_backward)
+    sc, backward, weight = _stage_arrays(structure, costs, policy.split_backward)
+    forward, activation, held, output = list(sc.forward), sc.activation, sc.held, sc.output
     num_stages, num_devices, m = structure.num_stages, structure.num_devices, num_microbatches
     placement = structure.placement
     # where messages cost the host time (gloo on CPU), an F or B takes that much longer, as the
     # simulator charges it; none on the GPU presets
     if cluster.hosts_pay_for_messages:
-        posting, _ = message_host_ms(StageCosts.of(structure.boundaries, costs), placement, cluster)
+        posting, _ = message_host_ms(sc, placement, cluster)
         forward = [f + extra for f, extra in zip(forward, posting)]
         backward = [b + extra for b, extra in zip(backward, posting)]
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
     keep = memory.weight_memory_fraction if policy.split_backward else 0.0
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
+    # a recomputing stage's B takes its activations back at its start: a forward must leave room
+    # for the largest such B on its device
+    regrow = [max((activation[s] - held[s] for s in stages_of[d]), default=0.0) for d in range(num_devices)]
     # W ops a stage may keep waiting: a global limit, or (zero-bubble H1 style) as many as its
     # device's rank in the pipeline, so the devices that finish last keep W for their drain
     rank_of = sorted(range(num_devices), key=lambda d: (stages_of[d][0] if stages_of[d] else num_stages, d))
@@ -265,14 +275,18 @@ def list_schedule(
         best = None  # (rank tuple, kind, stage, ready)
         filler = None  # the W to run when nothing else is ready
         f_blocked = False  # a forward is ready but the budget or its cap holds it back
+        b_blocked = False  # a recomputing B is ready but needs the memory a waiting W holds
         earliest = earliest_b = math.inf
+        w_waiting = policy.split_backward and any(next_w[t] < next_b[t] for t in stages_of[device])
         for s in stages_of[device]:
             # B: oldest microbatch whose F is done and whose gradient has arrived
             mb = next_b[s]
             if mb < next_f[s]:
                 ready = g_arrival[s][mb] if s < num_stages - 1 else f_end[s][mb]
                 if ready >= 0:
-                    if ready <= now:
+                    if ready <= now and w_waiting and live[device] + activation[s] - held[s] > budget[device] + 1e-6:
+                        b_blocked = True
+                    elif ready <= now:
                         rank = (0, mb, -s)
                         if best is None or rank < best[0]:
                             best = (rank, _B, s, ready)
@@ -299,13 +313,13 @@ def list_schedule(
             if mb < m and mb - next_b[s] < caps[s]:
                 ready = f_arrival[s][mb]
                 if ready >= 0:
-                    need = live[device] + activation[s]
+                    need = live[device] + held[s] + regrow[device]
                     if policy.reserve:
                         for t in stages_of[device]:
                             if t > s and next_f[t] < m:
-                                held = next_f[t] - next_w[t] if policy.split_backward else next_f[t] - next_b[t]
-                                if held < policy.reserve:
-                                    need += activation[t] * (policy.reserve - held)
+                                waiting = next_f[t] - next_w[t] if policy.split_backward else next_f[t] - next_b[t]
+                                if waiting < policy.reserve:
+                                    need += held[t] * (policy.reserve - waiting)
                     fits = need <= budget[device] + 1e-6 or live[device] <= 1e-9
                     if ready <= now:
                         if fits:
@@ -322,7 +336,7 @@ def list_schedule(
             # a lazy W waits for the drain (when the device has issued all its forwards) or for
             # memory to run out: the drain's gaps are where nothing else can fill in
             drain = all(next_f[t] >= m for t in stages_of[device])
-            if not policy.lazy_w or drain or f_blocked or device in forced:
+            if not policy.lazy_w or drain or f_blocked or b_blocked or device in forced:
                 best = filler
         if best is None:
             if idle_since[device] is None:
@@ -348,7 +362,7 @@ def list_schedule(
             finish = start + forward[s]
             next_f[s] += 1
             f_end[s][mb] = finish
-            live[device] += activation[s]
+            live[device] += held[s]
             if s + 1 < num_stages:
                 f_arrival[s + 1][mb] = send(device, placement[s + 1], finish, output[s])
         elif kind is _B:
@@ -356,7 +370,7 @@ def list_schedule(
             finish = start + backward[s]
             next_b[s] += 1
             b_end[s][mb] = finish
-            live[device] -= activation[s] * (1.0 - keep)
+            live[device] += activation[s] - held[s] - activation[s] * (1.0 - keep)
             if s > 0:
                 g_arrival[s - 1][mb] = send(device, placement[s - 1], finish, output[s - 1])
         else:
@@ -455,8 +469,11 @@ class _Search:
 
     def __init__(self, costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
                  activation_budget: Sequence[float] | None, memory_limit_bytes: float | None, memory: MemoryModel,
-                 work_limit: int, deadline: float, progress: Callable[[str], None] | None, started: float) -> None:
+                 work_limit: int, deadline: float, progress: Callable[[str], None] | None, started: float,
+                 recompute: bool = True) -> None:
         self.costs, self.cluster, self.m, self.p = costs, cluster, num_microbatches, num_devices
+        self.recompute = recompute
+        """Whether structures may recompute activations (moves that turn it on)."""
         self.activation_budget = list(activation_budget) if activation_budget is not None else None
         self.memory_limit = memory_limit_bytes
         self.memory = memory
@@ -549,6 +566,17 @@ class _Search:
             if candidate is not None and (best is None or candidate.score < best.score):
                 best = candidate
         return best
+
+    def scheduled_best(self, structure: Structure) -> Candidate | None:
+        found = [c for (s, _), c in self.scheduled.items() if s == structure and c is not None]
+        return min(found, key=lambda c: c.score) if found else None
+
+    def memory_bound(self, candidate: Candidate | None, share: float = 0.95) -> bool:
+        """Whether `candidate` misses the memory limits or fills `share` of a device's activation room."""
+        if candidate is None or not candidate.feasible:
+            return True
+        budget = self.budget_for(candidate.structure)
+        return budget is not None and any(a >= share * b for a, b in zip(candidate.peak_activation, budget))
 
     def top_policies(self, structure: Structure, count: int) -> list[Policy]:
         """The `count` best policies tried so far on `structure`."""
@@ -678,19 +706,21 @@ def tune(
     start_plans: dict[str, PipelinePlan] | None = None,
     progress: Callable[[str], None] | None = None,
     patience: int = 8,
+    recompute: bool = True,
 ) -> TuneResult:
     """Search partition, placement and order; return the best plan that fits the memory limits.
 
     `effort` scales the work budget (`DEFAULT_WORK` ops scheduled or simulated): the result is a
     function of the input, `effort` and `seed` alone unless `time_limit_s` runs out first
     (`TuneResult.cut_short`). The search is one fixed sequence of steps that the budget only
-    truncates, so more effort never returns a slower plan. Raises PlanError when no plan it
-    tried fits the limits."""
+    truncates, so more effort never returns a slower plan. `recompute`: whether stages may
+    recompute their activations (tried where memory binds; kept only where it makes the plan
+    faster or makes it fit). Raises PlanError when no plan it tried fits the limits."""
     started = time.perf_counter()
     p = num_devices or cluster.num_devices
     work_limit = int(DEFAULT_WORK * effort)
     search = _Search(costs, cluster, num_microbatches, p, activation_budget, memory_limit_bytes, memory,
-                     work_limit, started + time_limit_s, progress, started)
+                     work_limit, started + time_limit_s, progress, started, recompute)
     rng = random.Random(seed)
     starts: list[Candidate] = []
     # 1. every baseline as given (its order is a template even where it needs too much memory)
@@ -700,6 +730,16 @@ def tune(
         if candidate is not None:
             starts.append(candidate)
         structures.append((Structure.of(plan), f"{name} structure"))
+    # where memory binds the fastest start, the baselines' structures with every stage recomputing
+    # (early: under a tight limit these are the first plans that overlap microbatches at all)
+    if search.recompute and starts and search.memory_bound(min(starts, key=lambda c: c.iteration_ms)):
+        for structure, label in dict(structures).items():
+            if search.exhausted():
+                break
+            candidate = search.best_policy(structure.with_recompute([True] * structure.num_stages),
+                                           f"{label}, recompute every stage", SCREEN_POLICIES[:3])
+            if candidate is not None:
+                starts.append(candidate)
     # 2. candidate structures, screened with a few policies, the best with all of them
     structures += candidate_structures(costs, p, num_microbatches, seed=seed)
     unique: dict[Structure, str] = {}
@@ -719,6 +759,15 @@ def tune(
         candidate = search.best_policy(structure, label, POLICIES)
         if candidate is not None:
             starts.append(candidate)
+    # where memory binds the best of them, the same structures with every stage recomputing
+    if search.recompute and screened and search.memory_bound(search.scheduled_best(screened[0][2])):
+        for _, _, structure, label in screened[:3]:
+            if search.exhausted():
+                break
+            candidate = search.best_policy(structure.with_recompute([True] * structure.num_stages),
+                                           f"{label}, recompute every stage", SCREEN_POLICIES)
+            if candidate is not None:
+                starts.append(candidate)
     # 3. hill climbing from the most promising distinct starts: the fastest plans that fit, and
     #    the fastest that do not by a little (a baseline's order over the limit is repaired by
     #    moving boundaries under it)
@@ -795,6 +844,15 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
+        if found is None and search.recompute:
+            # at a local optimum: recomputation on or off where memory binds
+            for structure, label in _recompute_moves(current, search.budget_for(current.structure)):
+                if search.exhausted():
+                    break
+                candidate = search.best_policy(structure, f"{current.origin}; {label}", policies)
+                if candidate is not None and candidate.score < current.score:
+                    found = candidate
+                    break
         if found is None:
             return current
         current = found
@@ -815,14 +873,14 @@ def _structure_moves(structure: Structure, loads: Sequence[float] | None = None)
             if bounds[i - 1] < new < bounds[i + 1]:
                 moved = list(bounds)
                 moved[i] = new
-                moves.append((Structure(tuple(moved), structure.placement, p), f"boundary {i} {delta:+d}", True))
+                moves.append((replace(structure, boundaries=tuple(moved)), f"boundary {i} {delta:+d}", True))
     placement = structure.placement
     for s in range(structure.num_stages):
         for t in range(s + 1, min(structure.num_stages, (s // p + 1) * p)):
             if placement[s] != placement[t]:
                 swapped = list(placement)
                 swapped[s], swapped[t] = swapped[t], swapped[s]
-                moves.append((Structure(structure.boundaries, tuple(swapped), p), f"swap stages {s},{t}", False))
+                moves.append((replace(structure, placement=tuple(swapped)), f"swap stages {s},{t}", False))
     if loads is not None:
         # a stage of the busiest device to one of the two lightest (devices then hold different
         # numbers of stages: what a heavy layer, like a big-vocabulary head, needs)
@@ -837,7 +895,31 @@ def _structure_moves(structure: Structure, loads: Sequence[float] | None = None)
                     continue
                 moved = list(placement)
                 moved[s] = target
-                moves.append((Structure(structure.boundaries, tuple(moved), p), f"stage {s} to device {target}", False))
+                moves.append((replace(structure, placement=tuple(moved)), f"stage {s} to device {target}", False))
+    return moves
+
+
+def _recompute_moves(candidate: Candidate, budget: Sequence[float] | None) -> list[tuple[Structure, str]]:
+    """Activation recomputation toggled: off for each stage that recomputes; under a memory limit,
+    on for each stage of the device whose activations fill most of its budget, and for all of
+    them at once (recomputation only adds time: it pays where memory holds microbatches back)."""
+    structure = candidate.structure
+    flags = list(structure.recompute or (False,) * structure.num_stages)
+    moves = []
+    for s in range(structure.num_stages):
+        if flags[s]:
+            moves.append((structure.with_recompute(flags[:s] + [False] + flags[s + 1:]), f"no recompute stage {s}"))
+    if budget is not None:
+        device = max(range(structure.num_devices),
+                     key=lambda d: (candidate.peak_activation[d] / max(budget[d], 1e-9), -d))
+        stages = [s for s in range(structure.num_stages) if structure.placement[s] == device and not flags[s]]
+        for s in stages:
+            moves.append((structure.with_recompute(flags[:s] + [True] + flags[s + 1:]), f"recompute stage {s}"))
+        if len(stages) > 1:
+            every = [flag or s in stages for s, flag in enumerate(flags)]
+            moves.append((structure.with_recompute(every), f"recompute device {device}"))
+        if not all(flags):
+            moves.append((structure.with_recompute([True] * structure.num_stages), "recompute every stage"))
     return moves
 
 

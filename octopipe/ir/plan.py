@@ -73,13 +73,17 @@ class Stage:
     layer_start: int
     layer_end: int
     device: int
+    recompute: bool = False
+    """Activation recomputation: F keeps only the stage's inputs, B runs the forward again first
+    (B costs one more F; the stage holds its inputs instead of its activations between F and B)."""
 
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
     def __str__(self) -> str:
-        return f"stage {self.index} layers={self.layer_start}:{self.layer_end} device={self.device}"
+        text = f"stage {self.index} layers={self.layer_start}:{self.layer_end} device={self.device}"
+        return text + " recompute" if self.recompute else text
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +109,11 @@ class PipelinePlan:
         placement: Sequence[int],
         device_ops: Sequence[Iterable[Op]],
         num_devices: int | None = None,
+        recompute: Sequence[bool] = (),
     ) -> PipelinePlan:
         """Convenience constructor. `partition` is either boundaries [0, b1, ..., num_layers] or
-        (start, end) pairs; `placement[s]` is stage s's device."""
+        (start, end) pairs; `placement[s]` is stage s's device; `recompute[s]` whether stage s
+        recomputes its activations (empty: none does)."""
         if partition and isinstance(partition[0], tuple):
             ranges = list(partition)  # type: ignore[arg-type]
         else:
@@ -115,7 +121,10 @@ class PipelinePlan:
             ranges = list(zip(bounds[:-1], bounds[1:]))
         if len(ranges) != len(placement):
             raise PlanError(f"{len(ranges)} stage layer ranges but {len(placement)} stage devices")
-        stages = tuple(Stage(i, a, b, d) for i, ((a, b), d) in enumerate(zip(ranges, placement)))
+        if recompute and len(recompute) != len(ranges):
+            raise PlanError(f"{len(ranges)} stage layer ranges but {len(recompute)} recompute flags")
+        flags = tuple(bool(r) for r in recompute) or (False,) * len(ranges)
+        stages = tuple(Stage(i, a, b, d, r) for i, ((a, b), d, r) in enumerate(zip(ranges, placement, flags)))
         devices = num_devices if num_devices is not None else len(device_ops)
         return cls(devices, num_microbatches, stages, tuple(tuple(ops) for ops in device_ops))
 
@@ -136,6 +145,11 @@ class PipelinePlan:
     def boundaries(self) -> tuple[int, ...]:
         return (0, *(stage.layer_end for stage in self.stages))
 
+    @property
+    def recompute(self) -> tuple[bool, ...]:
+        """Per stage: whether it recomputes its activations at B."""
+        return tuple(stage.recompute for stage in self.stages)
+
     def stages_of(self, device: int) -> tuple[int, ...]:
         return tuple(stage.index for stage in self.stages if stage.device == device)
 
@@ -153,6 +167,13 @@ class PipelinePlan:
 
     def with_ops(self, device_ops: Sequence[Iterable[Op]]) -> PipelinePlan:
         return PipelinePlan(self.num_devices, self.num_microbatches, self.stages, tuple(tuple(o) for o in device_ops))
+
+    def with_recompute(self, recompute: Sequence[bool]) -> PipelinePlan:
+        """The same plan with these per-stage recomputation flags."""
+        if len(recompute) != self.num_stages:
+            raise PlanError(f"{len(recompute)} recompute flags for a plan of {self.num_stages} stages")
+        stages = tuple(Stage(s.index, s.layer_start, s.layer_end, s.device, bool(r)) for s, r in zip(self.stages, recompute))
+        return PipelinePlan(self.num_devices, self.num_microbatches, stages, self.device_ops)
 
     # -- structural check -----------------------------------------------------------------------
     def validate(self, num_layers: int | None = None) -> None:
@@ -232,10 +253,11 @@ class PipelinePlan:
         device_ops: dict[int, tuple[Op, ...]] = {}
         for number, line in lines[1:]:
             if line.startswith("stage "):
-                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)", line)
+                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)( recompute)?", line)
                 if not match:
-                    raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D', got {line!r}")
-                stages.append(Stage(*(int(g) for g in match.groups())))
+                    raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D' (and ' recompute' where the "
+                                     f"stage recomputes its activations), got {line!r}")
+                stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) is not None))
             elif line.startswith("device "):
                 match = re.fullmatch(r"device (\d+):(.*)", line)
                 if not match:
@@ -260,7 +282,8 @@ class PipelinePlan:
         return {
             "num_devices": self.num_devices,
             "num_microbatches": self.num_microbatches,
-            "stages": [{"layers": [s.layer_start, s.layer_end], "device": s.device} for s in self.stages],
+            "stages": [{"layers": [s.layer_start, s.layer_end], "device": s.device} | ({"recompute": True} if s.recompute else {})
+                       for s in self.stages],
             "device_ops": [[str(op) for op in ops] for ops in self.device_ops],
         }
 
@@ -270,12 +293,13 @@ class PipelinePlan:
     @classmethod
     def from_dict(cls, data: Any) -> PipelinePlan:
         try:
-            stages = tuple(Stage(i, int(s["layers"][0]), int(s["layers"][1]), int(s["device"])) for i, s in enumerate(data["stages"]))
+            stages = tuple(Stage(i, int(s["layers"][0]), int(s["layers"][1]), int(s["device"]), _flag(s.get("recompute", False)))
+                           for i, s in enumerate(data["stages"]))
             device_ops = tuple(tuple(Op.parse(op) for op in ops) for ops in data["device_ops"])
             return cls(int(data["num_devices"]), int(data["num_microbatches"]), stages, device_ops)
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise ParseError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); expected keys num_devices, "
-                             "num_microbatches, stages[{layers, device}], device_ops") from None
+                             "num_microbatches, stages[{layers, device, optional recompute}], device_ops") from None
 
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:
@@ -287,7 +311,13 @@ class PipelinePlan:
     # -- torch.distributed.pipelining interop ---------------------------------------------------
     def to_torch_csv(self) -> str:
         """PyTorch's compute-only schedule CSV: one row per rank, actions `2F0`, `2I0` (input
-        gradient), `2W0`, `2B0` (full backward). Our B maps to I when the pair has a W."""
+        gradient), `2W0`, `2B0` (full backward). Our B maps to I when the pair has a W. The CSV
+        cannot say that a stage recomputes its activations: such a plan is refused, not exported
+        without it."""
+        recomputing = [s.index for s in self.stages if s.recompute]
+        if recomputing:
+            raise PlanError(f"stages {recomputing} recompute their activations, which PyTorch's schedule CSV cannot "
+                            "express; export plan.with_recompute([False] * plan.num_stages) to run it without")
         split = self.split_backward()
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -327,6 +357,12 @@ class PipelinePlan:
         if sorted(placement) != list(range(num_stages)):
             raise ParseError(f"torch CSV has stages {sorted(placement)} but the partition has {num_stages} stages")
         return cls.build(num_microbatches, partition, [placement[s] for s in range(num_stages)], device_ops)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"recompute must be true or false, got {value!r}")
+    return value
 
 
 def render_grid(device_ops: Sequence[Sequence[object]], mark: tuple[int, int] | None = None, max_steps: int = 400) -> str:

@@ -8,7 +8,8 @@ ranges and one example batch; produces `runtime.stage.StageModule`s, the contrac
 - the stage's nodes, copied in graph order; parameters and buffers keep their original qualified
   names (`fx.GraphModule(root, graph)` with the traced module as root: named_parameters() match
   the model, and stages in one process share the parameter objects);
-- an output tuple of the tensors later stages read (the loss stage: `(loss,)`).
+- an output tuple of the tensors later stages read (the loss stage: `(loss,)`);
+- the plan's per-stage `recompute` flag, which the engine acts on (codegen emits the same module).
 
 Node placement: a node belongs to its layer's stage; `get_attr` nodes are copied into every stage
 that reads them (never sent); other nodes in no layer go to the earliest stage that reads them.
@@ -261,7 +262,8 @@ def codegen(
         owners = {id(owner_of[id(t)]): owner_of[id(t)] for t in [*stage_module.parameters(), *stage_module.buffers()]
                   if id(t) in owner_of}
         stages.append(StageModule(stage, stage_module, tuple(src for _, src in ordered), outputs,
-                                  is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values())))
+                                  is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values()),
+                                  recompute=plan.stages[stage].recompute))
     return tuple(stages)
 
 

@@ -15,6 +15,10 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   into parameters and input leaves, whose gradients go to the producers; `backward_input` opens a
   `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
   a microbatch's activations are dropped as soon as its last backward op on the stage ran;
+- a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
+  engine's CUDA device), and its B first runs the forward again with grad on those inputs and that
+  RNG state (the same dropout masks; the RNG stream outside is left as it was, as
+  `torch.utils.checkpoint` does), then backpropagates as above; its sent outputs are F's values;
 - `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
   it (a process group per tied rank set, created collectively in the constructor);
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
@@ -51,9 +55,10 @@ from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight
 
 
 class _Slot:
-    """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients."""
+    """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients; a recompute stage's
+    RNG state at F."""
 
-    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash")
+    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state")
 
     def __init__(self, num_outputs: int) -> None:
         self.inputs: list[Tensor] | None = None
@@ -61,6 +66,7 @@ class _Slot:
         self.output_grads: list[Tensor | None] = [None] * num_outputs
         self.input_grads: list[Tensor | None] | None = None
         self.stash: WeightGradStash | None = None
+        self.rng_state: tuple[Tensor, Tensor | None] | None = None
 
 
 class Engine:
@@ -392,15 +398,33 @@ class Engine:
                 position = self._recv_layout[(a, index)].index(len(args))
                 value = received[a][position]
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
-        with torch.enable_grad():
-            outputs = stage.module(*args)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
         slot = self._slot(index, m)
         slot.inputs = args
-        slot.outputs = outputs
+        if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
+            slot.rng_state = (torch.get_rng_state(),
+                              torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        with torch.set_grad_enabled(not stage.recompute):
+            slot.outputs = self._run(stage, args)
         if stage.is_loss:
-            self._loss_sum += outputs[0].detach().float()
+            self._loss_sum += slot.outputs[0].detach().float()
+
+    @staticmethod
+    def _run(stage: StageModule, args: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        outputs = stage.module(*args)
+        return outputs if isinstance(outputs, tuple) else (outputs,)
+
+    def _recompute(self, stage: StageModule, slot: _Slot) -> None:
+        """The forward again, with grad, on F's inputs and RNG state. F's input leaves are reused:
+        nothing was recorded on them under no_grad."""
+        assert slot.inputs is not None and slot.rng_state is not None
+        cpu_state, cuda_state = slot.rng_state
+        with torch.random.fork_rng(devices=[self.device] if cuda_state is not None else [], device_type="cuda"):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, self.device)
+            with torch.enable_grad():
+                slot.outputs = self._run(stage, slot.inputs)
+        slot.rng_state = None
 
     def _backward_input(self, i: Instruction) -> None:
         """B: input gradients; split linears stash their weight gradients for W."""
@@ -408,12 +432,7 @@ class Engine:
         stage = self.stages[index]
         slot = self._slots[(index, m)]
         assert slot.outputs is not None and slot.inputs is not None
-        tensors: list[Tensor] = []
-        grads: list[Tensor] = []
-        if stage.is_loss:
-            tensors.append(slot.outputs[0])
-            grads.append(torch.full_like(slot.outputs[0], self._scale))
-        else:
+        if not stage.is_loss:
             for consumer in stage.consumers():
                 if consumer in self.stages:
                     continue
@@ -426,6 +445,15 @@ class Engine:
                     slot.output_grads[j] = grad if current is None else current + grad
                 if self.timeline is not None:
                     self._inputs_ready = time.perf_counter()
+        if stage.recompute:
+            # after the gradients arrived: B's measured time (from its inputs' arrival) includes it
+            self._recompute(stage, slot)
+        tensors: list[Tensor] = []
+        grads: list[Tensor] = []
+        if stage.is_loss:
+            tensors.append(slot.outputs[0])
+            grads.append(torch.full_like(slot.outputs[0], self._scale))
+        else:
             for j, spec in enumerate(stage.outputs):
                 grad = slot.output_grads[j]
                 if spec.requires_grad and grad is not None and slot.outputs[j].requires_grad:

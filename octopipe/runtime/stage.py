@@ -90,6 +90,9 @@ class StageModule:
     """The original model's modules that own this stage's parameters and buffers directly (an
     `nn.Linear` whose weight a rewritten stage reads by attribute is no submodule of `module`):
     where a rank that builds a meta-device model's stages runs its init (`runtime/materialize.py`)."""
+    recompute: bool = False
+    """Activation recomputation: the engine runs F without keeping the autograd graph (it keeps the
+    inputs and the RNG state) and runs the forward again, with that RNG state, at the start of B."""
 
     def original_name(self, local_name: str) -> str:
         return self.parameter_names.get(local_name, local_name)
@@ -118,7 +121,7 @@ class StageModule:
         return tuple(sorted(positions, key=lambda i: self.inputs[i].index))
 
     def describe(self) -> str:
-        lines = [f"stage {self.index}{' (loss)' if self.is_loss else ''}"]
+        lines = [f"stage {self.index}{' (loss)' if self.is_loss else ''}{' (recompute)' if self.recompute else ''}"]
         lines += [f"  in  {src}" for src in self.inputs]
         lines += [f"  out {spec}" for spec in self.outputs]
         return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""Activation recomputation in the planner: the plan's text and JSON forms, the simulator's time
+and memory rules for a recomputing stage, the list scheduler's budget, the CP-SAT order refinement,
+and the search choosing it where memory holds microbatches back (and never where told not to)."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import octopipe
+from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError, schedules
+from octopipe.errors import ParseError
+from octopipe.simulator import StageCosts, simulate
+from octopipe.solver import refine_order
+from octopipe.tuner import POLICIES, Structure, list_schedule, placements
+
+FREE = ClusterSpec(num_devices=4, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
+CLUSTER = ClusterSpec.preset("h100x8")
+MiB = 2**20
+
+
+def table(n, forward=1.0, backward=2.0, weight=None, activation=10 * MiB, output=MiB):
+    return CostTable([LayerCost(f"l{i}", forward_ms=forward, backward_ms=backward, backward_weight_ms=weight,
+                                activation_bytes=activation, output_bytes=output) for i in range(n)])
+
+
+TWO_STAGE = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:2 device=0 recompute
+stage 1 layers=2:3 device=1
+device 0: 0F0 0F1 0B0 0B1
+device 1: 1F0 1B0 1F1 1B1
+"""
+
+
+# -- IR -----------------------------------------------------------------------------------------------
+
+
+def test_text_and_json_forms_carry_the_flag():
+    plan = PipelinePlan.parse(TWO_STAGE)
+    assert plan.recompute == (True, False)
+    assert str(plan) == TWO_STAGE
+    assert PipelinePlan.from_json(plan.to_json()) == plan
+    assert "recompute" not in PipelinePlan.parse(TWO_STAGE.replace(" recompute", "")).to_json()
+    off = plan.with_recompute([False, False])
+    assert off.recompute == (False, False) and off.device_ops == plan.device_ops and off != plan
+    built = PipelinePlan.build(2, [0, 2, 3], [0, 1], plan.device_ops, recompute=[True, False])
+    assert built == plan
+
+
+def test_bad_recompute_input_is_refused_with_the_reason():
+    with pytest.raises(ParseError, match="recompute"):
+        PipelinePlan.parse(TWO_STAGE.replace("device=0 recompute", "device=0 recomputed"))
+    data = PipelinePlan.parse(TWO_STAGE).to_dict()
+    data["stages"][0]["recompute"] = "yes"
+    with pytest.raises(ParseError, match="recompute must be true or false"):
+        PipelinePlan.from_dict(data)
+    with pytest.raises(PlanError, match="3 recompute flags for a plan of 2 stages"):
+        PipelinePlan.parse(TWO_STAGE).with_recompute([True, True, True])
+    with pytest.raises(PlanError, match="2 stage layer ranges but 1 recompute flags"):
+        PipelinePlan.build(2, [0, 2, 3], [0, 1], PipelinePlan.parse(TWO_STAGE).device_ops, recompute=[True])
+
+
+def test_torch_csv_export_refuses_to_drop_recomputation():
+    plan = PipelinePlan.parse(TWO_STAGE)
+    with pytest.raises(PlanError, match=r"stages \[0\] recompute"):
+        plan.to_torch_csv()
+    assert plan.with_recompute([False, False]).to_torch_csv().startswith("0F0,0F1")
+
+
+# -- simulator ----------------------------------------------------------------------------------------
+
+
+def test_a_recomputing_stage_holds_its_inputs_and_pays_a_forward_at_b():
+    costs = table(3)
+    plan = PipelinePlan.parse(TWO_STAGE)
+    sc = StageCosts.of(plan.boundaries, costs, plan.recompute)
+    assert sc.held == (MiB, 10 * MiB)  # stage 0 reads the batch, keeps what it sent; stage 1 keeps everything
+    assert sc.backward_full == (6.0, 2.0) and sc.forward == (2.0, 1.0)
+    plain = simulate(plan.with_recompute([False, False]), costs, FREE)
+    again = simulate(plan, costs, FREE)
+    start = {str(op): t for op, t in again.op_start.items()}
+    end = {str(op): t for op, t in again.op_end.items()}
+    assert end["0B0"] - start["0B0"] == pytest.approx(6.0)  # 2 ms forward again + 4 ms backward
+    assert again.iteration_ms == pytest.approx(plain.iteration_ms + 2 * 2.0)
+    # without: two microbatches of 20 MiB held at once; with: 1 MiB each, then one B's 20 MiB
+    assert plain.peak_activation_bytes[0] == 40 * MiB
+    assert again.peak_activation_bytes[0] == 21 * MiB
+    assert again.peak_activation_bytes[1] == plain.peak_activation_bytes[1] == 10 * MiB
+
+
+def test_a_later_recomputing_stage_holds_what_it_received_and_the_last_no_output():
+    costs = table(4, output=3 * MiB)
+    plan = schedules.build("1f1b", costs, FREE.with_devices(2), 4, partition="uniform")
+    recomputing = plan.with_recompute([False, True])
+    sc = StageCosts.of(recomputing.boundaries, costs, recomputing.recompute)
+    assert sc.held == (20 * MiB, 3 * MiB)
+    peak = simulate(recomputing, costs, FREE).peak_activation_bytes[1]
+    # in 1F1B the last stage holds one microbatch at a time: its input, then its whole activation
+    assert peak == 20 * MiB
+
+
+# -- list scheduler and solver ---------------------------------------------------------------------------
+
+
+def random_table(rng, num_layers):
+    layers = []
+    for i in range(num_layers):
+        forward = rng.uniform(0.5, 3.0)
+        backward = forward * rng.uniform(1.5, 2.5)
+        layers.append(LayerCost(f"l{i}", forward_ms=forward, backward_ms=backward,
+                                backward_weight_ms=backward * rng.uniform(0.3, 0.6),
+                                activation_bytes=rng.randint(4, 16) * MiB, output_bytes=MiB))
+    return CostTable(layers)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4), st.integers(1, 2), st.integers(2, 8), st.sampled_from(POLICIES))
+def test_list_schedule_keeps_recomputing_plans_within_the_budget(seed, p, laps, m, policy):
+    rng = random.Random(seed)
+    costs = random_table(rng, p * laps + rng.randint(0, 3))
+    placement = placements(p, p * laps)["zigzag" if seed % 2 else "looped"]
+    structure = Structure(schedules.balanced_partition([1.0] * len(costs), placement), placement, p)
+    structure = structure.with_recompute([rng.random() < 0.6 for _ in placement])
+    one_each = max(sum(costs.range_sum("activation", a, b) for s, (a, b) in
+                       enumerate(zip(structure.boundaries, structure.boundaries[1:])) if placement[s] == d)
+                   for d in range(p))
+    budget = one_each * rng.uniform(1.0, 2.0)
+    try:
+        plan = list_schedule(structure, costs, CLUSTER, m, policy, [budget] * p)
+    except PlanError as exc:
+        assert "stalled" in str(exc)
+        return
+    plan.validate(len(costs))
+    assert plan.recompute == tuple(structure.recomputes(s) for s in range(structure.num_stages))
+    assert max(simulate(plan, costs, CLUSTER).peak_activation_bytes) <= budget * (1 + 1e-9)
+
+
+def test_order_refinement_keeps_the_flags_and_the_budget():
+    rng = random.Random(3)
+    costs = random_table(rng, 8)
+    cluster = CLUSTER.with_devices(4)
+    structure = Structure(schedules.balanced_partition([1.0] * 8, (0, 1, 2, 3)), (0, 1, 2, 3), 4)
+    structure = structure.with_recompute([True, True, False, False])
+    budget = 2.5 * max(costs.range_sum("activation", a, b) for a, b in zip(structure.boundaries, structure.boundaries[1:]))
+    plan = list_schedule(structure, costs, cluster, 8, POLICIES[0], [budget] * 4)
+    refined = refine_order(plan, costs, cluster, work=0.2, max_windows=2, activation_budget=[budget] * 4)
+    assert refined.plan.recompute == (True, True, False, False)
+    result = simulate(refined.plan, costs, cluster)
+    assert result.iteration_ms <= simulate(plan, costs, cluster).iteration_ms + 1e-9
+    assert max(result.peak_activation_bytes) <= budget * (1 + 1e-9)
+
+
+# -- the search ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """8 layers on 4 devices, 8 microbatches, an activation limit that holds fewer than two
+    microbatches of a quarter of the layers: without recomputation the pipeline nearly serializes."""
+    costs = table(8, activation=64 * MiB, output=MiB)
+    cluster = CLUSTER.with_devices(4)
+    limit = 1.5 * 2 * 64 * MiB
+    results = {flag: octopipe.plan(costs, cluster, 8, time_limit_s=20, activation_limit=limit, quiet=True,
+                                   recompute=flag, effort=0.2) for flag in (False, True)}
+    return costs, cluster, limit, results
+
+
+def test_the_search_recomputes_where_memory_holds_microbatches_back(tight):
+    costs, cluster, limit, results = tight
+    without, with_ = results[False], results[True]
+    assert not any(without.plan.recompute)
+    assert any(with_.plan.recompute)
+    assert with_.report.iteration_ms < 0.9 * without.report.iteration_ms  # 69.0 vs 80.4 ms when written
+    for result in results.values():
+        sim = simulate(result.plan, costs, cluster)
+        assert sim.iteration_ms == pytest.approx(result.report.iteration_ms)
+        assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
+    assert "activation recomputation on stage" in str(with_.report)
+
+
+def test_no_recomputation_where_memory_does_not_bind():
+    costs = table(8)
+    result = octopipe.plan(costs, CLUSTER.with_devices(4), 8, time_limit_s=20, quiet=True, effort=0.1)
+    assert not any(result.plan.recompute)
+    assert "recomputation" not in str(result.report)
