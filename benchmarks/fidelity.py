@@ -5,7 +5,8 @@ For each model (the CPU configs of benchmarks/cpu_models.py): calibrate the link
 host overhead (`calibrate_cpu_cluster`), profile the layers and the host time of a message inside
 a pipelined step of the runtime (`octopipe.bench.runtime_profile`, each timed step after an untimed
 one, as below), build several plans from that
-profile (1F1B, ZB-H1, ZB-V, interleaved 1F1B and OctoPipe's own), then measure them all in one launch,
+profile (1F1B, ZB-H1, ZB-V, interleaved 1F1B, 1F1B with every stage recomputing its activations,
+and OctoPipe's own), then measure them all in one launch,
 steps interleaved, with the profiling pipeline itself run as one more pipeline in the same
 rotation (`measure_with_profile`), each timed step right after an untimed one of the same
 pipeline (`rewarm`: this VM's host reclaims memory a process leaves untouched for a second or
@@ -72,6 +73,8 @@ def main() -> None:
         for schedule in SCHEDULES:
             plans[f"{schedule}/balanced"] = octopipe.schedules.build(schedule, costs, cluster, num_microbatches,
                                                                       partition="balanced")
+        one = plans["1f1b/balanced"]
+        plans["1f1b/balanced, recompute"] = one.with_recompute([True] * one.num_stages)  # B runs F again
         plans["octopipe"] = octopipe.plan(costs, cluster, num_microbatches, time_limit_s=args.time_limit,
                                           quiet=True).plan
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,

@@ -730,9 +730,15 @@ def tune(
         if candidate is not None:
             starts.append(candidate)
         structures.append((Structure.of(plan), f"{name} structure"))
-    # where memory binds the fastest start, the baselines' structures with every stage recomputing
-    # (early: under a tight limit these are the first plans that overlap microbatches at all)
+    # where memory binds the fastest start, the baselines with every stage recomputing (what their
+    # users turn on when memory runs out), and their structures so, list-scheduled (early: under a
+    # tight limit these are the first plans that overlap microbatches at all)
     if search.recompute and starts and search.memory_bound(min(starts, key=lambda c: c.iteration_ms)):
+        for name, plan in sorted((start_plans or {}).items()):
+            again = plan.with_recompute([True] * plan.num_stages)
+            candidate = search.evaluate(again, f"baseline {name}, recompute every stage", Structure.of(again), None)
+            if candidate is not None:
+                starts.append(candidate)
         for structure, label in dict(structures).items():
             if search.exhausted():
                 break

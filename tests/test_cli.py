@@ -80,6 +80,22 @@ def test_plan_min_gain_returns_the_baseline_when_the_search_gains_less(capsys):
     assert "octopipe" not in chosen and "/" in chosen  # a family/partition baseline row
 
 
+def test_plan_recomputes_under_a_tight_activation_limit_unless_told_not_to(tmp_path, capsys):
+    table = tmp_path / "tight.json"
+    table.write_text(json.dumps({"layers": [
+        {"name": f"l{i}", "forward_ms": 1, "backward_ms": 2, "activation_bytes": 64 * 2**20, "output_bytes": 2**20}
+        for i in range(8)]}))
+    common = ["plan", "--costs", str(table), "--cluster", "h100x8", "--devices", "4", "--microbatches", "8",
+              "--activation-limit", str(192 / 1024), "--time-limit", "10", "--quiet", "--no-solver"]
+    plan_path = tmp_path / "plan.txt"
+    assert main([*common, "-o", str(plan_path)]) == EXIT_OK
+    assert "activation recomputation on stage" in capsys.readouterr().out
+    assert " recompute" in plan_path.read_text()
+    assert main([*common, "--no-recompute", "-o", str(plan_path)]) == EXIT_OK
+    assert "recomputation" not in capsys.readouterr().out
+    assert " recompute" not in plan_path.read_text()
+
+
 def test_dump_every_level(tmp_path, capsys):
     assert main(["dump", "--model", "llama", "--level", "program"]) == EXIT_OK
     assert "program rank=0 ranks=2" in capsys.readouterr().out

@@ -44,14 +44,18 @@ def limit_1f1b(costs, cluster, m, p):
                for name, plan in plans.items() if name.startswith("1f1b/")), plans
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**6), st.integers(2, 4), st.integers(1, 3), st.integers(1, 8), st.sampled_from(POLICIES))
-def test_list_schedule_gives_valid_plans_within_the_budget(seed, p, laps, m, policy):
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4), st.integers(1, 3), st.integers(1, 8), st.sampled_from(POLICIES),
+       st.booleans())
+def test_list_schedule_gives_valid_plans_within_the_budget(seed, p, laps, m, policy, recompute):
+    """... with some stages recomputing their activations, too (their B takes them back)."""
     rng = random.Random(seed)
     costs = random_table(rng, p * laps + rng.randint(0, 3))
     count = p * laps
     placement = placements(p, count)["zigzag" if seed % 2 else "looped"]
     structure = Structure(schedules.balanced_partition([1.0] * len(costs), placement), placement, p)
+    if recompute:
+        structure = structure.with_recompute([rng.random() < 0.6 for _ in placement])
     one_each = max(sum(costs.range_sum("activation", a, b) for s, (a, b) in
                        enumerate(zip(structure.boundaries, structure.boundaries[1:])) if placement[s] == d)
                    for d in range(p))
@@ -62,6 +66,7 @@ def test_list_schedule_gives_valid_plans_within_the_budget(seed, p, laps, m, pol
         assert "stalled" in str(exc)  # only a budget that leaves a device nothing to run
         return
     plan.validate(len(costs))
+    assert plan.recompute == tuple(structure.recomputes(s) for s in range(count))
     result = simulate(plan, costs, CLUSTER)
     assert max(result.peak_activation_bytes) <= budget * (1 + 1e-9)
 
