@@ -15,11 +15,12 @@ plans no worse than the hint, and proven lower bounds.
 - `balanced_structure`: stage boundaries (and, for `placement=None`, the stage -> device map)
   minimising the busiest device's load (or a release-aware estimate of the iteration time).
 - `refine_order`: the timing model of one structure — an interval per op, precedences with
-  transfer delays, no-overlap per device, activation memory as a reservoir per device, objective
+  transfer delays, no-overlap per device, activation memory as a reservoir per device (a
+  recomputing stage's F holds its inputs, its B takes the activations back at its start), objective
   = iteration time — hinted with the tuner's plan, whole or over windows of it. Never returns a
-  plan worse than the hint.
+  plan worse than the hint; keeps the plan's structure (recompute flags included).
 - `solve_joint`: the full joint model (partition boundaries, placement and order as variables)
-  for small instances; tests compare it with brute force.
+  for small instances, without recomputation; tests compare it with brute force.
 
 Every CP-SAT model runs one worker with a deterministic-time budget, so results are the same on
 every run and machine unless a wall-clock safety limit fires first (reported as cut short).

@@ -26,10 +26,21 @@ scheduler. The tuner
    to a light one, each re-ordered by the list scheduler with the structure's best policies; a
    boundary moved under the current order (the baselines' orders are templates, and a baseline
    slightly over the memory limit is repaired this way); and policy neighbours (warm-up depth,
-   when W runs, waiting for an imminent B);
+   when W runs, waiting for an imminent B); and,
+   at a local optimum, activation recomputation toggled (off per stage; where it is worth it,
+   on per stage or for all stages of the device whose activations fill most of its budget, or
+   everywhere);
 4. iterated local search: perturbs the best structure by a few random moves and climbs again,
    until several rounds in a row find nothing better;
 5. fills the largest idle gaps of the best plan by moving a later op (a W, an F) into them.
+
+Where memory binds the fastest baseline, the baselines with every stage recomputing its
+activations (as their users would run them) are starts too; where one of those beats every start
+that fits without it, recomputation is worth the search's work: those structures list-scheduled
+with every stage recomputing, the best screened structures so where memory binds them, and the
+recomputation moves of step 3 (otherwise only moves that turn it off). A recomputing stage's B takes
+one more F, and between F and B the stage holds only its inputs and sent outputs (see
+`simulator`).
 
 Only strict improvements that fit the memory limits are kept. The search is deterministic for a
 given input and seed: its budget counts work (ops scheduled and simulated), not seconds;
@@ -473,7 +484,10 @@ class _Search:
                  recompute: bool = True) -> None:
         self.costs, self.cluster, self.m, self.p = costs, cluster, num_microbatches, num_devices
         self.recompute = recompute
-        """Whether structures may recompute activations (moves that turn it on)."""
+        """Whether structures may recompute activations."""
+        self.try_recompute = False
+        """Whether the search spends work on recomputation: set when a baseline with every stage
+        recomputing beats every start that fits without it."""
         self.activation_budget = list(activation_budget) if activation_budget is not None else None
         self.memory_limit = memory_limit_bytes
         self.memory = memory
@@ -731,14 +745,19 @@ def tune(
             starts.append(candidate)
         structures.append((Structure.of(plan), f"{name} structure"))
     # where memory binds the fastest start, the baselines with every stage recomputing (what their
-    # users turn on when memory runs out), and their structures so, list-scheduled (early: under a
-    # tight limit these are the first plans that overlap microbatches at all)
+    # users turn on when memory runs out); where one of them beats every start that fits without
+    # it, recomputation is worth the search's time: their structures so, list-scheduled (under a
+    # tight limit the first plans that overlap microbatches at all), and the moves below
+    search.try_recompute = False
     if search.recompute and starts and search.memory_bound(min(starts, key=lambda c: c.iteration_ms)):
+        plain = min((c.iteration_ms for c in starts if c.feasible), default=math.inf)
         for name, plan in sorted((start_plans or {}).items()):
             again = plan.with_recompute([True] * plan.num_stages)
             candidate = search.evaluate(again, f"baseline {name}, recompute every stage", Structure.of(again), None)
             if candidate is not None:
                 starts.append(candidate)
+                search.try_recompute |= candidate.feasible and candidate.iteration_ms < plain
+    if search.try_recompute:
         for structure, label in dict(structures).items():
             if search.exhausted():
                 break
@@ -766,7 +785,7 @@ def tune(
         if candidate is not None:
             starts.append(candidate)
     # where memory binds the best of them, the same structures with every stage recomputing
-    if search.recompute and screened and search.memory_bound(search.scheduled_best(screened[0][2])):
+    if search.try_recompute and screened and search.memory_bound(search.scheduled_best(screened[0][2])):
         for _, _, structure, label in screened[:3]:
             if search.exhausted():
                 break
@@ -850,9 +869,10 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
-        if found is None and search.recompute:
-            # at a local optimum: recomputation on or off where memory binds
-            for structure, label in _recompute_moves(current, search.budget_for(current.structure)):
+        if found is None and (search.try_recompute or current.structure.recompute):
+            # at a local optimum: recomputation off, or on where memory binds
+            budget = search.budget_for(current.structure) if search.try_recompute else None
+            for structure, label in _recompute_moves(current, budget):
                 if search.exhausted():
                     break
                 candidate = search.best_policy(structure, f"{current.origin}; {label}", policies)
