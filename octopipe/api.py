@@ -80,7 +80,7 @@ def plan(
     gain below their error is a coin toss; the report marks the baseline as chosen and says why.
 
     recompute: let the search make stages recompute their activations (F keeps only the stage's
-    inputs, B runs the forward again): tried where memory holds microbatches back, kept only
+    inputs and sent outputs, B runs the forward again): tried where memory holds microbatches back, kept only
     where the plan gets faster or fits; the report lists the stages that do. False: never."""
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
@@ -181,7 +181,7 @@ def plan(
     again = [stage.index for stage in best_plan.stages if stage.recompute]
     if again:
         notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "
-                     f"{best_plan.num_stages} (their B runs the forward again; they hold only their inputs until then)")
+                     f"{best_plan.num_stages} (their B runs the forward again; until then they hold only their inputs and sent outputs)")
     report = PlanReport(
         rows=rows, chosen=chosen, num_devices=p, num_microbatches=num_microbatches, num_layers=len(costs),
         balance_bound_ms=num_microbatches * bound.load_ms, balance_bound_optimal=bound.optimal,

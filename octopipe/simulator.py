@@ -113,12 +113,12 @@ class StageCosts:
         output = [max(0.0, value) for value in chain]
         held = list(activation)
         for stage, again in enumerate(recompute):
-            if again:
+            if again:  # B runs F again; until then the stage keeps what it received and what it sent
                 backward_input[stage] += forward[stage]
                 backward_full[stage] += forward[stage]
-                inputs = (output[stage - 1] if stage else 0.0) + sum(size for (_, c), size in links.items() if c == stage)
-                outputs = output[stage] + sum(size for (a, _), size in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
-                held[stage] = min(inputs + outputs, activation[stage])
+                received = (output[stage - 1] if stage else 0.0) + sum(x for (_, c), x in links.items() if c == stage)
+                sent = output[stage] + sum(x for (a, _), x in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
+                held[stage] = min(received + sent, activation[stage])
         return cls(
             forward=tuple(forward), backward_input=tuple(backward_input), backward_full=tuple(backward_full),
             weight=tuple(costs.range_sum("weight", a, b) for a, b in pairs),
@@ -525,8 +525,8 @@ def _run(
             device_time[device] = finish
             last_op[device] = key
             # memory: allocate at F start (what the stage holds until B: all its activations, or
-            # its inputs where it recomputes the rest at B), free at B end (all or all but W's
-            # share) and at W end
+            # its inputs and sent outputs where it recomputes the rest at B's start), free at B
+            # end (all or all but W's share) and at W end
             if kind is OpKind.F:
                 activation[device] += held[stage]
                 if activation[device] > peak[device]:
