@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("octopipe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader stopped early (`octopipe simulate plan.json | head`): stop quietly, and keep
+        # the interpreter from failing again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _resolve_defaults(args: argparse.Namespace) -> None:

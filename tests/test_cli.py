@@ -96,6 +96,32 @@ def test_plan_recomputes_under_a_tight_activation_limit_unless_told_not_to(tmp_p
     assert " recompute" not in plan_path.read_text()
 
 
+class _ClosedPipe:
+    """A stdout whose reader has gone (`octopipe ... | head -1`): every write fails as on a pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_output_cut_short_by_the_reader_is_no_error(tmp_path, monkeypatch, capsys):
+    fd = os.open(tmp_path / "stdout", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(fd))
+        assert main(["dump", "--model", "llama", "--level", "plan"]) == EXIT_OK
+    finally:
+        os.close(fd)
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_dump_every_level(tmp_path, capsys):
     assert main(["dump", "--model", "llama", "--level", "program"]) == EXIT_OK
     assert "program rank=0 ranks=2" in capsys.readouterr().out
