@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks.profiles import MODELS, load_profile  # noqa: E402
 from octopipe import schedules  # noqa: E402
-from octopipe.api import plan  # noqa: E402
+from octopipe.api import _activation_limit, plan  # noqa: E402
 from octopipe.cluster import ClusterSpec  # noqa: E402
 from octopipe.errors import OctopipeError  # noqa: E402
 from octopipe.simulator import simulate  # noqa: E402
@@ -37,17 +37,10 @@ HEADER = (f"{'table':<22}{'p':>3}{'m':>4}{'limit':>7}  {'no recompute':>13}{'rec
           f"{'ours vs':>9}{'lower':>9}")
 
 
-def limit_1f1b(costs, cluster: ClusterSpec, microbatches: int) -> float:
-    """Activation bytes of the busiest device among the 1F1B baselines."""
-    plans = schedules.baselines(costs, cluster, microbatches)
-    return max(max(simulate(p, costs, cluster).peak_activation_bytes) for name, p in plans.items()
-               if name.startswith("1f1b/"))
-
-
-def best_recomputing_baseline(costs, cluster: ClusterSpec, microbatches: int, limit: float) -> tuple[str, float]:
-    """The fastest baseline, every stage recomputing, within the activation limit (or "-", inf)."""
+def best_recomputing_baseline(baselines, costs, cluster: ClusterSpec, limit: float) -> tuple[str, float]:
+    """The fastest of `baselines`, every stage recomputing, within the activation limit (or "-", inf)."""
     best = ("-", math.inf)
-    for name, baseline in schedules.baselines(costs, cluster, microbatches).items():
+    for name, baseline in baselines.items():
         result = simulate(baseline.with_recompute([True] * baseline.num_stages), costs, cluster)
         if max(result.peak_activation_bytes) <= limit * (1 + 1e-9) and result.iteration_ms < best[1]:
             best = (name, result.iteration_ms)
@@ -58,7 +51,9 @@ def run(name: str, devices: int, fraction: float, time_limit_s: float) -> str:
     costs = load_profile(name)
     cluster = ClusterSpec.preset("h100x16", num_devices=devices)
     microbatches = 2 * devices
-    limit = fraction * limit_1f1b(costs, cluster, microbatches)
+    baselines = schedules.baselines(costs, cluster, microbatches)
+    # what plan(activation_limit="1f1b") takes: the busiest device of the 1F1B baselines
+    limit = fraction * _activation_limit("1f1b", {name: simulate(p, costs, cluster) for name, p in baselines.items()})
     head = f"{name:<22}{devices:>3}{microbatches:>4}{fraction:>7.2f}  "
     results = {}
     for flag in (False, True):
@@ -73,7 +68,7 @@ def run(name: str, devices: int, fraction: float, time_limit_s: float) -> str:
     without = results[False].report.iteration_ms if not isinstance(results[False], str) else math.inf
     fit = again.report.best_fitting_baseline
     fit_ms = fit.iteration_ms if fit else math.inf
-    full_name, full_ms = best_recomputing_baseline(costs, cluster, microbatches, limit)
+    full_name, full_ms = best_recomputing_baseline(baselines, costs, cluster, limit)
     ours = again.report.iteration_ms
     cut = "*" if again.report.cut_short or (not isinstance(results[False], str) and results[False].report.cut_short) else " "
     return (head + f"{without:>13.1f}{ours:>11.1f}{without / ours:>7.3f}x"

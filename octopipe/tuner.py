@@ -97,8 +97,9 @@ class Structure:
         return replace(self, recompute=tuple(bool(f) for f in flags) if any(flags) else ())
 
     def stage_loads(self, costs: CostTable) -> list[float]:
-        return [costs.range_sum("forward", a, b) * (2 if self.recomputes(s) else 1) + costs.range_sum("backward_full", a, b)
-                for s, (a, b) in enumerate(zip(self.boundaries[:-1], self.boundaries[1:]))]
+        """F + B (full) per stage; a recomputing stage's B includes its second F (`StageCosts`)."""
+        sc = StageCosts.of(self.boundaries, costs, self.recompute)
+        return [f + b for f, b in zip(sc.forward, sc.backward_full)]
 
     def device_loads(self, costs: CostTable) -> list[float]:
         loads = [0.0] * self.num_devices
@@ -288,15 +289,16 @@ def list_schedule(
         f_blocked = False  # a forward is ready but the budget or its cap holds it back
         b_blocked = False  # a recomputing B is ready but needs the memory a waiting W holds
         earliest = earliest_b = math.inf
-        w_waiting = policy.split_backward and any(next_w[t] < next_b[t] for t in stages_of[device])
         for s in stages_of[device]:
             # B: oldest microbatch whose F is done and whose gradient has arrived
             mb = next_b[s]
             if mb < next_f[s]:
                 ready = g_arrival[s][mb] if s < num_stages - 1 else f_end[s][mb]
                 if ready >= 0:
-                    if ready <= now and w_waiting and live[device] + activation[s] - held[s] > budget[device] + 1e-6:
-                        b_blocked = True
+                    if (ready <= now and held[s] != activation[s]
+                            and live[device] + activation[s] - held[s] > budget[device] + 1e-6 and policy.split_backward
+                            and any(next_w[t] < next_b[t] for t in stages_of[device])):
+                        b_blocked = True  # (only recomputing stages get here: no cost to the others)
                     elif ready <= now:
                         rank = (0, mb, -s)
                         if best is None or rank < best[0]:

@@ -74,8 +74,9 @@ class Stage:
     layer_end: int
     device: int
     recompute: bool = False
-    """Activation recomputation: F keeps only the stage's inputs, B runs the forward again first
-    (B costs one more F; the stage holds its inputs instead of its activations between F and B)."""
+    """Activation recomputation: F keeps only the stage's inputs and the outputs it sent, B runs
+    the forward again first (B costs one more F; between F and B the stage holds those instead of
+    its activations)."""
 
     @property
     def num_layers(self) -> int:
