@@ -237,6 +237,12 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         )
     if not time_limit_s > 0:
         raise PlanError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+    if not sum(costs.forward) + sum(costs.backward_full) > 0:
+        raise PlanError(
+            f"plan: every layer of the cost table{_named(costs)} takes 0 ms forward and backward, so no plan is faster "
+            "than another; fill forward_ms and backward_ms (octopipe.bench.runtime_profile measures them, "
+            "compile(..., costs='analytic') estimates them)"
+        )
 
 
 def _named(costs: CostTable) -> str:

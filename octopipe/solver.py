@@ -707,6 +707,16 @@ def refine_order(
                       cut_short)
 
 
+def _chain_rank(op: Op, num_stages: int) -> tuple[int, int, int]:
+    """Where `op` falls in its microbatch's chain: F up the stages, then B down them, each W right
+    after its B. Ops a model solution starts at the same tick are ordered by it, so an op of zero
+    length never lands before one it waits for (a stage's B before the next stage's on one device
+    would deadlock the plan)."""
+    if op.kind is OpKind.F:
+        return op.stage, 0, op.microbatch
+    return 2 * num_stages - 1 - op.stage, 1 if op.kind is OpKind.B else 2, op.microbatch
+
+
 def _pick_window(sim: SimResult, max_ops: int, round_index: int, tried: set[tuple[float, float]]) -> set[Op]:
     """The ops starting in a time slice of `sim` around its largest idle gap not tried yet: the
     gap's end is put at a third of the slice (ops before a gap are what fill it)."""
@@ -885,10 +895,9 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    rank = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
     device_ops = []
     for before, middle, after in pieces:
-        middle = sorted(middle, key=lambda op: (solver.Value(start[op]), rank[op.kind], op.stage, op.microbatch))
+        middle = sorted(middle, key=lambda op: (solver.Value(start[op]), *_chain_rank(op, plan.num_stages)))
         device_ops.append(tuple(before + middle + after))
     return plan.with_ops(device_ops), 0.0, _hit_wall(solver, time_limit_s)
 
@@ -955,8 +964,7 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    rank = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
-    device_ops = [tuple(sorted(ops, key=lambda op: (solver.Value(start[op]), rank[op.kind], op.stage, op.microbatch)))
+    device_ops = [tuple(sorted(ops, key=lambda op: (solver.Value(start[op]), *_chain_rank(op, plan.num_stages))))
                   for ops in plan.device_ops]
     # durations and delays were rounded up to ticks: give back one tick per op and per hand-off so
     # the bound holds for the exact times

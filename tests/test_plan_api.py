@@ -206,6 +206,10 @@ def test_bad_arguments_fail_clearly():
         octopipe.plan(bare, cluster.with_devices(2), 4, activation_limit="1f1b", quiet=True)
     with pytest.raises(octopipe.PlanError, match="neither activation_bytes nor param_bytes"):
         octopipe.plan(bare, cluster.with_devices(2), 4, memory_limit_bytes=2**30, quiet=True)
+    # nothing to balance: every layer takes no time (the report's ratios would divide by 0)
+    idle = CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(4)], model="idle")
+    with pytest.raises(octopipe.PlanError, match=r"of idle takes 0 ms[\s\S]*runtime_profile"):
+        octopipe.plan(idle, cluster.with_devices(2), 4, quiet=True)
 
 
 def test_homogeneous_table_is_never_worse_than_the_best_fitting_baseline():

@@ -303,3 +303,19 @@ def test_refine_order_is_deterministic():
     first = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
     second = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
     assert str(first.plan) == str(second.plan)
+
+
+@pytest.mark.parametrize("max_window_ops", [1000, 40])
+def test_refine_order_keeps_zero_length_ops_after_what_they_wait_for(max_window_ops):
+    # layers that take no time (a loss, a reshape) give ops that start and end at one tick in the
+    # model's solution; ordered by kind and stage, two such backwards of one microbatch on one
+    # device came out downstream stage last, and the refined plan deadlocked
+    costs = CostTable([LayerCost(f"l{i}", "block", 0.0, 0.0, 0.0) for i in range(8)])
+    cluster = ClusterSpec.preset("h100x8")
+    plan = list_schedule(Structure((0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 1, 2, 3, 4, 5, 6, 7), 8), costs, cluster, 8)
+    pair = cluster.with_devices(2)
+    looped = list_schedule(Structure((0, 2, 4, 6, 8), (0, 1, 1, 0), 2), costs, pair, 4)
+    for case, on in ((plan, cluster), (looped, pair)):
+        result = refine_order(case, costs, on, work=1, max_window_ops=max_window_ops)
+        result.plan.validate(len(costs))
+        assert simulate(result.plan, costs, on).iteration_ms == pytest.approx(result.iteration_ms)
