@@ -85,6 +85,12 @@ def plan(
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
+    for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise PlanError(f"plan: {name} must be a positive finite number, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise PlanError(f"plan: seed must be a non-negative integer, got {seed!r}")
     if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
         raise PlanError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
@@ -114,7 +120,8 @@ def plan(
     # 2. bounds: whole layers per device (exact bin packing), and one microbatch's chain
     clock = time.perf_counter()
     bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.2 * time_limit_s))
-    chain_ms = sum(costs.forward) + sum(costs.backward_full)
+    # one microbatch's forward, then its input gradients layer by layer (W may run beside them)
+    chain_ms = sum(costs.forward) + sum(min(b, f) for b, f in zip(costs.backward_input, costs.backward_full))
     # the release bound only sharpens the report; skip it when the time limit is nearly spent
     released = None
     if time_limit_s - (time.perf_counter() - started) > 2.0:
@@ -226,7 +233,7 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         raise OctopipeError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
     if not isinstance(cluster, ClusterSpec):
         raise OctopipeError(f"plan: cluster must be a ClusterSpec (ClusterSpec.preset('h100x8')), got {type(cluster).__name__}")
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise PlanError(f"plan: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
         raise PlanError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
@@ -546,7 +553,7 @@ def compile(
 
     seconds: dict[str, float] = {}
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise PlanError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if plan is not None and schedule is not None:
         raise OctopipeError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")

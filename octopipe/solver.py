@@ -96,8 +96,10 @@ class _BudgetExhausted(Exception):
 
 
 def layer_loads(costs: CostTable) -> list[float]:
-    """Per-microbatch work of each layer on its device: F + B (input) + W = forward + backward."""
-    return [f + b for f, b in zip(costs.forward, costs.backward_full)]
+    """Per-microbatch work of each layer on its device: F, then B and W apart or as one full
+    backward, whichever is cheaper (a plan may run either)."""
+    split = [b + w for b, w in zip(costs.backward_input, costs.weight)]
+    return [f + min(full, apart) for f, full, apart in zip(costs.forward, costs.backward_full, split)]
 
 
 def balance_bound(costs: CostTable, num_devices: int, *, node_budget: int = 200_000, lp_rounds: int = 400,
@@ -1336,13 +1338,16 @@ def release_bound(costs: CostTable, num_devices: int, num_microbatches: int, *, 
     # one layer alone: its device runs microbatches x (F + B + W) of it after microbatch 0's input
     # arrives, and its F and B before the last microbatch's input gradient goes down the layers
     # below it (and their last W)
-    forward, backward_input, weight = costs.forward, costs.backward_input, costs.weight
+    # (a B is its input gradient or, run whole, its full backward: the cheaper of the two counts)
+    forward, weight, full = costs.forward, costs.weight, costs.backward_full
+    backward = [min(b, f) for b, f in zip(costs.backward_input, full)]
+    last_w = min(backward[0] + weight[0], full[0]) - backward[0]
     below = [0.0]
-    for value in backward_input:
+    for value in backward:
         below.append(below[-1] + value)
     single = max(
         max(forward_prefix[j] + m * values[j],
-            forward_prefix[j] + m * (forward[j] + backward_input[j]) + below[j] + weight[0])
+            forward_prefix[j] + m * (forward[j] + backward[j]) + below[j] + last_w)
         for j in range(len(values))
     )
     # 2. exact over assignments, in floored ticks (every load and start rounded down, so a time

@@ -206,6 +206,11 @@ def test_bad_arguments_fail_clearly():
         octopipe.plan(bare, cluster.with_devices(2), 4, activation_limit="1f1b", quiet=True)
     with pytest.raises(octopipe.PlanError, match="neither activation_bytes nor param_bytes"):
         octopipe.plan(bare, cluster.with_devices(2), 4, memory_limit_bytes=2**30, quiet=True)
+    for bad in (dict(memory_limit_bytes=0), dict(effort=float("nan")), dict(effort=-1), dict(seed=1.5)):
+        with pytest.raises(octopipe.PlanError, match=next(iter(bad))):  # found by fuzzing: raw errors before
+            octopipe.plan(costs, cluster.with_devices(2), 4, quiet=True, **bad)
+    with pytest.raises(octopipe.PlanError, match="num_microbatches"):
+        octopipe.plan(costs, cluster.with_devices(2), True, quiet=True)
     # nothing to balance: every layer takes no time (the report's ratios would divide by 0)
     idle = CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(4)], model="idle")
     with pytest.raises(octopipe.PlanError, match=r"of idle takes 0 ms[\s\S]*runtime_profile"):
@@ -252,3 +257,16 @@ def test_plan_is_the_same_in_every_process():
         assert out.returncode == 0, out.stderr
         texts.add(out.stdout)
     assert len(texts) == 1
+
+
+@pytest.mark.parametrize("layers, m", [
+    ([LayerCost("a", "block", 1.0, 2.0), LayerCost("b", "block", 1.0, 2.0)], 1),  # W overlaps the chain
+    ([LayerCost(n, "block", 1.0, 2.0, backward_full_ms=0.5) for n in "ab"], 4),  # whole backward cheaper
+    ([LayerCost("a", "block", 1.0, 2.0, backward_full_ms=10.0), LayerCost("b", "block", 1.0, 2.0)], 1),  # dearer
+])
+def test_lower_bound_never_exceeds_the_plan(layers, m):
+    # found by fuzzing: the chain bound summed every W in sequence, and the bounds took the full
+    # backward even where B and W apart (or the full backward) were cheaper
+    result = octopipe.plan(CostTable(layers), ClusterSpec(num_devices=2, latency_s=0.0), m, time_limit_s=5,
+                           effort=0.1, quiet=True)
+    assert result.report.lower_bound_ms <= result.report.iteration_ms + 1e-9
