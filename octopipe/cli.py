@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -45,6 +46,30 @@ def main(argv: list[str] | None = None) -> int:
         # the interpreter from failing again when it flushes stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _activation_limit_arg(text: str) -> float | str | None:
+    """GiB per device, '1f1b' (the 1F1B baselines' busiest device) or 'none'."""
+    word = text.strip().lower()
+    if word in ("1f1b", "none"):
+        return None if word == "none" else word
+    try:
+        value = float(word)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be GiB per device (a positive number), 1f1b or none, got {text!r}")
+    return value
 
 
 def _resolve_defaults(args: argparse.Namespace) -> None:
@@ -237,8 +262,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     costs, _ = _costs_from(args, cluster)
     limit: float | str | None = args.activation_limit
-    if limit is not None and limit != "1f1b":
-        limit = float(limit) * 2**30
+    if isinstance(limit, float):
+        limit *= 2**30
     result = plan(costs, cluster, args.microbatches, num_devices=args.devices, time_limit_s=args.time_limit,
                   memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit else None,
                   activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
@@ -466,7 +491,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     cluster = _cluster(args, default="cpux2")
     model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                            num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule or "1f1b",
+                            num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule or (None if args.plan else "1f1b"),
                             quiet=True)
     if args.all:
         for path in pipe.dump_all(args.all):
@@ -484,7 +509,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan a heterogeneous model for 2 CPU processes, train it, compare with the best baseline")
     p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans")
-    p.add_argument("--steps", type=int, default=8, help="measured training steps per plan")
+    p.add_argument("--steps", type=_positive_int, default=8, help="measured training steps per plan")
     p.add_argument("--time-limit", type=float, default=20.0, help="planner time limit in seconds")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests)")
     p.set_defaults(run=cmd_demo)
@@ -494,7 +519,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_cluster_options(p)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=30.0, help="seconds for the whole search")
-    p.add_argument("--activation-limit", default=None, metavar="GiB|1f1b",
+    p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
                    help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GiB", help="device memory (default: the cluster's)")
     p.add_argument("--no-solver", action="store_true", help="skip the CP-SAT refinement")
@@ -535,7 +560,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None, help="default: the plan's (with --plan), else 4")
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=_positive_int, default=5)
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",

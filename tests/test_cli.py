@@ -272,3 +272,19 @@ def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, caps
     table.write_text(json.dumps({"layers": [{"name": f"l{i}", "forward_ms": 1, "backward_ms": 2} for i in range(4)]}))
     assert main(["plan", "--costs", str(table), "--hidden-size", "64", "--devices", "2", "--quiet"]) == EXIT_ERROR
     assert "not a profile" in capsys.readouterr().err
+
+
+def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, capsys):
+    # found by a bad-input sweep: a traceback (ValueError) for --activation-limit junk, a
+    # StatisticsError after training for --steps 0, and dump --plan refused every plan
+    for argv in (["plan", "--model", "gemma", "--activation-limit", "junk"], ["train", "--model", "gemma", "--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == EXIT_USAGE
+        assert "must be" in capsys.readouterr().err
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
+                 "--activation-limit", "none", "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["dump", "--model", "gemma", "--plan", str(saved), "--microbatches", "2", "--level", "plan"]) == EXIT_OK
+    assert capsys.readouterr().out.startswith("plan devices=2 microbatches=2")
