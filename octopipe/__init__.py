@@ -1,5 +1,5 @@
 """OctoPipe: a pipeline-parallel training compiler that co-optimizes partition, placement and
-schedule for heterogeneous models. The public names are below; see DESIGN.md."""
+schedule for heterogeneous models. The public names are below; the README is the user's guide."""
 
 from octopipe import profiles, schedules
 from octopipe.api import Pipeline, PlanResult, compile, plan

@@ -227,7 +227,7 @@ def _cost_table(path: str, hidden_size: int | None):
 
 
 def _add_costs_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in DESIGN.md), or a profile "
+    p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in the README's IR levels), or a profile "
                    "from data/profiles/ (activation and message bytes filled from the model's hidden size)")
     p.add_argument("--hidden-size", type=int, default=None, metavar="H",
                    help="hidden size for a --costs profile of a model not among the four published ones")
@@ -265,7 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if isinstance(limit, float):
         limit *= 2**30
     result = plan(costs, cluster, args.microbatches, num_devices=args.devices, time_limit_s=args.time_limit,
-                  memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit else None,
+                  memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
                   activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
                   min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     print(result.report)

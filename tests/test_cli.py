@@ -282,6 +282,9 @@ def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, caps
             main(argv)
         assert exit_info.value.code == EXIT_USAGE
         assert "must be" in capsys.readouterr().err
+    # --memory-limit 0 was taken as "not given"
+    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--memory-limit", "0"]) != EXIT_OK
+    assert "memory_limit_bytes must be a positive" in capsys.readouterr().err
     saved = tmp_path / "plan.json"
     assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
                  "--activation-limit", "none", "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
