@@ -20,7 +20,7 @@ from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
-from octopipe.solver import balance_bound, refine_order, release_bound
+from octopipe.solver import balance_bound, input_gradients, refine_order, release_bound
 from octopipe.tuner import Policy, Structure, list_schedule, tune
 
 GiB = 2**30
@@ -84,13 +84,7 @@ def plan(
     where the plan gets faster or fits; the report lists the stages that do. False: never."""
     started = time.perf_counter()
     p = cluster.num_devices if num_devices is None else num_devices
-    _check_inputs(costs, cluster, num_microbatches, p, time_limit_s)
-    for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < math.inf):
-            raise PlanError(f"plan: {name} must be a positive finite number, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise PlanError(f"plan: seed must be a non-negative integer, got {seed!r}")
+    _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
     if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
         raise PlanError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
@@ -121,7 +115,7 @@ def plan(
     clock = time.perf_counter()
     bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.2 * time_limit_s))
     # one microbatch's forward, then its input gradients layer by layer (W may run beside them)
-    chain_ms = sum(costs.forward) + sum(min(b, f) for b, f in zip(costs.backward_input, costs.backward_full))
+    chain_ms = sum(costs.forward) + sum(input_gradients(costs))
     # the release bound only sharpens the report; skip it when the time limit is nearly spent
     released = None
     if time_limit_s - (time.perf_counter() - started) > 2.0:
@@ -228,7 +222,7 @@ def _stderr(message: str) -> None:
 
 
 def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
-                  time_limit_s: float) -> None:
+                  time_limit_s: float, effort: float, memory_limit_bytes: float | None, seed: int) -> None:
     if not isinstance(costs, CostTable):
         raise OctopipeError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
     if not isinstance(cluster, ClusterSpec):
@@ -244,6 +238,12 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         )
     if not time_limit_s > 0:
         raise PlanError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+    for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise PlanError(f"plan: {name} must be a positive finite number, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise PlanError(f"plan: seed must be a non-negative integer, got {seed!r}")
     if not sum(costs.forward) + sum(costs.backward_full) > 0:
         raise PlanError(
             f"plan: every layer of the cost table{_named(costs)} takes 0 ms forward and backward, so no plan is faster "

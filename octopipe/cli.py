@@ -490,9 +490,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     cluster = _cluster(args, default="cpux2")
     model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    schedule = args.schedule or (None if args.plan else "1f1b")  # a given plan, else 1F1B unless named
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                            num_microbatches=args.microbatches, plan=args.plan, schedule=args.schedule or (None if args.plan else "1f1b"),
-                            quiet=True)
+                            num_microbatches=args.microbatches, plan=args.plan, schedule=schedule, quiet=True)
     if args.all:
         for path in pipe.dump_all(args.all):
             print(path)

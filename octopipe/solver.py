@@ -102,6 +102,12 @@ def layer_loads(costs: CostTable) -> list[float]:
     return [f + min(full, apart) for f, full, apart in zip(costs.forward, costs.backward_full, split)]
 
 
+def input_gradients(costs: CostTable) -> list[float]:
+    """Each layer's part of a microbatch's backward chain: its input gradient, or its full backward
+    where that is cheaper (a plan may run either; W runs beside the chain)."""
+    return [min(b, full) for b, full in zip(costs.backward_input, costs.backward_full)]
+
+
 def balance_bound(costs: CostTable, num_devices: int, *, node_budget: int = 200_000, lp_rounds: int = 400,
                   time_limit_s: float | None = None, seed: int = 0) -> Bound:
     """Exact min over assignments of whole layers to `num_devices` devices of the busiest device's
@@ -1338,10 +1344,9 @@ def release_bound(costs: CostTable, num_devices: int, num_microbatches: int, *, 
     # one layer alone: its device runs microbatches x (F + B + W) of it after microbatch 0's input
     # arrives, and its F and B before the last microbatch's input gradient goes down the layers
     # below it (and their last W)
-    # (a B is its input gradient or, run whole, its full backward: the cheaper of the two counts)
-    forward, weight, full = costs.forward, costs.weight, costs.backward_full
-    backward = [min(b, f) for b, f in zip(costs.backward_input, full)]
-    last_w = min(backward[0] + weight[0], full[0]) - backward[0]
+    forward, weight = costs.forward, costs.weight
+    backward = input_gradients(costs)
+    last_w = min(backward[0] + weight[0], costs.backward_full[0]) - backward[0]
     below = [0.0]
     for value in backward:
         below.append(below[-1] + value)
