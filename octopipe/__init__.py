@@ -5,6 +5,7 @@ from octopipe import profiles, schedules
 from octopipe.api import Pipeline, PlanResult, compile, plan
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import (
+    ArgumentError,
     ClusterSpecError,
     CostTableError,
     ExecutionError,
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
     "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "profiles", "trace", "runtime",
-    "OctopipeError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
+    "OctopipeError", "ArgumentError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
     "InfeasibleError", "VerificationError", "ExecutionError",
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import InfeasibleError, OctopipeError, ParseError, PlanError
+from octopipe.errors import ArgumentError, InfeasibleError, OctopipeError, ParseError, PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
@@ -47,7 +47,7 @@ class PlanResult:
 
 def plan(
     costs: CostTable,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     num_microbatches: int,
     *,
     num_devices: int | None = None,
@@ -63,7 +63,8 @@ def plan(
     min_gain: float = 0.0,
     recompute: bool = True,
 ) -> PlanResult:
-    """Jointly choose partition, placement and op order for `costs` on `cluster`.
+    """Jointly choose partition, placement and op order for `costs` on `cluster` (a ClusterSpec,
+    a preset name such as "h100x8", or a spec file).
 
     memory_limit_bytes: per device, weights + gradients + optimizer state + activations (default:
     the cluster's device memory). activation_limit: a per-device cap on activation memory alone,
@@ -83,10 +84,11 @@ def plan(
     inputs and sent outputs, B runs the forward again): tried where memory holds microbatches back, kept only
     where the plan gets faster or fits; the report lists the stages that do. False: never."""
     started = time.perf_counter()
+    cluster = ClusterSpec.of(cluster, "plan: cluster")
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
     if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
-        raise PlanError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
+        raise ArgumentError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
     if activation_limit is not None and not costs.has_memory_info:
         raise PlanError(f"plan: activation_limit={activation_limit!r} but the cost table{_named(costs)} has no "
@@ -225,25 +227,23 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
                   time_limit_s: float, effort: float, memory_limit_bytes: float | None, seed: int) -> None:
     if not isinstance(costs, CostTable):
         raise OctopipeError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
-    if not isinstance(cluster, ClusterSpec):
-        raise OctopipeError(f"plan: cluster must be a ClusterSpec (ClusterSpec.preset('h100x8')), got {type(cluster).__name__}")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise PlanError(f"plan: num_microbatches must be a positive integer, got {num_microbatches!r}")
+        raise ArgumentError(f"plan: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
-        raise PlanError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
+        raise ArgumentError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
     if num_devices > len(costs):
         raise PlanError(
             f"plan: {num_devices} devices but the model has only {len(costs)} layers; every device needs at least one "
             f"layer: use num_devices <= {len(costs)}"
         )
     if not time_limit_s > 0:
-        raise PlanError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+        raise ArgumentError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < math.inf):
-            raise PlanError(f"plan: {name} must be a positive finite number, got {value!r}")
+            raise ArgumentError(f"plan: {name} must be a positive finite number, got {value!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise PlanError(f"plan: seed must be a non-negative integer, got {seed!r}")
+        raise ArgumentError(f"plan: seed must be a non-negative integer, got {seed!r}")
     if not sum(costs.forward) + sum(costs.backward_full) > 0:
         raise PlanError(
             f"plan: every layer of the cost table{_named(costs)} takes 0 ms forward and backward, so no plan is faster "
@@ -261,13 +261,13 @@ def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimRes
         return None
     if isinstance(limit, str):
         if limit != "1f1b":
-            raise PlanError(f"plan: activation_limit must be bytes or '1f1b', got {limit!r}")
+            raise ArgumentError(f"plan: activation_limit must be bytes or '1f1b', got {limit!r}")
         peaks = [max(sim.peak_activation_bytes) for name, sim in baseline_sims.items() if name.startswith("1f1b/")]
         if not peaks:
             raise PlanError("plan: activation_limit='1f1b' but no 1F1B baseline is defined for this input")
         return max(peaks)
     if not limit > 0:
-        raise PlanError(f"plan: activation_limit must be positive, got {limit!r}")
+        raise ArgumentError(f"plan: activation_limit must be positive, got {limit!r}")
     return float(limit)
 
 
@@ -304,6 +304,22 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     return tuple(bounds), need_memory, need_activation
 
 
+def _devices_to_fit(costs: CostTable, memory: MemoryModel, memory_limit: float) -> int | None:
+    """The fewest devices over which an even split of the layers (state plus one microbatch's
+    activations) fits `memory_limit`, or None when not even one layer per device does."""
+    total = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
+    if max(total) > memory_limit:
+        return None
+    low, high = 1, len(costs)  # the busiest device's need falls as devices grow: search the fewest that fit
+    while low < high:
+        middle = (low + high) // 2
+        if max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, middle))) <= memory_limit:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
@@ -325,13 +341,16 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     if bounds is not None:
         return bounds
     if need_memory > memory_limit:
-        devices = max(num_devices + 1, math.ceil(need_memory * num_devices / memory_limit))
+        devices = _devices_to_fit(costs, memory, memory_limit)
+        more = (f"use {devices} devices" if devices is not None else
+                "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
+                "more than the limit)")
         raise InfeasibleError(
             f"no plan fits {memory_limit / GiB:.2f} GiB per device: even with the layers split evenly over "
             f"{num_devices} devices and one microbatch in flight, the busiest device needs {need_memory / GiB:.2f} GiB "
             f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
-            f"memory limit to {need_memory / GiB:.2f} GiB, use more devices (about {devices}), shard the optimizer state, "
-            "or use a smaller microbatch"
+            f"memory limit to {need_memory / GiB:.2f} GiB, {more}, shard the optimizer state, or use a smaller "
+            "microbatch"
         )
     if activation_budget is not None and need_activation > activation_budget:
         raise InfeasibleError(
@@ -507,7 +526,7 @@ def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:
 
 def compile(
     model: Any,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     *,
     example_inputs: Sequence[Any] | Any,
     loss_fn: Callable[[Any, Any], Any],
@@ -533,7 +552,7 @@ def compile(
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
 
-    example_inputs: one full batch of model inputs, cut along dim 0 into `num_microbatches`
+    cluster: a ClusterSpec, a preset name ("cpux2", "h100x8") or a spec file. example_inputs: one full batch of model inputs, cut along dim 0 into `num_microbatches`
     equal microbatches. loss_fn(output, target) -> scalar mean loss. example_target: a target
     batch; with it the loss is traced as the last layer (and costed), without it the last stage
     applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device) or a
@@ -552,9 +571,10 @@ def compile(
     from octopipe.passes.verify import verify
 
     seconds: dict[str, float] = {}
+    cluster = ClusterSpec.of(cluster, "compile: cluster")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise PlanError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
+        raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if plan is not None and schedule is not None:
         raise OctopipeError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
 
@@ -600,7 +620,7 @@ def compile(
     if receive_ahead is None:
         receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
     elif not isinstance(receive_ahead, int) or isinstance(receive_ahead, bool) or receive_ahead < 0:
-        raise PlanError(f"compile: receive_ahead must be a non-negative integer (computes), got {receive_ahead!r}")
+        raise ArgumentError(f"compile: receive_ahead must be a non-negative integer (computes), got {receive_ahead!r}")
     # gloo matches a receive to its send by tag: only receives from one peer need the send order
     # among themselves, so (with the default) every receive is posted when the step starts
     programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,

@@ -58,6 +58,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage in [0, 100) (2 = 2%), got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def _activation_limit_arg(text: str) -> float | str | None:
     """GiB per device, '1f1b' (the 1F1B baselines' busiest device) or 'none'."""
     word = text.strip().lower()
@@ -74,18 +104,67 @@ def _activation_limit_arg(text: str) -> float | str | None:
 
 def _resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on other arguments: the microbatch count of a given plan, and a batch
-    size that divides into the microbatches."""
-    if hasattr(args, "microbatches") and args.microbatches is None:
-        plan_file = getattr(args, "plan", None)
-        if plan_file and Path(plan_file).exists():  # (a missing one is reported where it is used)
-            from octopipe.api import load_plan
+    size that divides into the microbatches. Notes which model options were given, so options
+    that would be ignored (a built-in model's with --costs or a factory) are refused."""
+    args.model_options = [flag for flag, key in (("--size", "size"), ("--set", "set"), ("--batch-size", "batch_size"),
+                                                 ("--seq-len", "seq_len")) if getattr(args, key, None)]
+    if getattr(args, "size", "unset") is None:
+        args.size = "tiny"
+    if args.command in ("simulate", "show"):
+        return  # the microbatches (and so the batch size) are each plan file's own, set in _plan_inputs
+    plan_file = getattr(args, "plan", None)
+    saved = None
+    if plan_file and Path(plan_file).exists():  # (a missing one is reported where it is used)
+        from octopipe.api import load_plan
 
-            args.microbatches = load_plan(plan_file).num_microbatches
-        else:
-            args.microbatches = 4
+        saved = load_plan(plan_file)
+    if hasattr(args, "microbatches") and args.microbatches is None:
+        args.microbatches = saved.num_microbatches if saved is not None else 4
+    if hasattr(args, "nprocs"):
+        if args.nprocs is None:
+            args.nprocs = saved.num_devices if saved is not None else 2
+        elif saved is not None and args.nprocs != saved.num_devices:
+            from octopipe.errors import OctopipeError
+
+            raise OctopipeError(f"--nprocs {args.nprocs}: {plan_file} runs on {saved.num_devices} devices; drop "
+                                "--nprocs (it defaults to the plan's) or plan again for this many")
     if getattr(args, "batch_size", "unset") is None:
-        m = max(1, getattr(args, "microbatches", 1) or 1)
-        args.batch_size = m * max(1, -(-8 // m))
+        args.batch_size = _default_batch_size(max(1, getattr(args, "microbatches", 1) or 1))
+
+
+def _default_batch_size(microbatches: int) -> int:
+    """8 rounded up to a multiple of the microbatches."""
+    return microbatches * max(1, -(-8 // microbatches))
+
+
+def _writable(path: str | None, option: str, directory: bool = False) -> None:
+    """Refuse an output path before any work: its folder must exist and be writable (a folder
+    option's path may be created, inside a writable one)."""
+    from octopipe.errors import OctopipeError
+
+    if path is None:
+        return
+    target = Path(path)
+    if directory:
+        if target.exists() and not target.is_dir():
+            raise OctopipeError(f"{option} {path}: exists and is not a folder; give a folder to write into")
+        parent = target
+        while not parent.exists():
+            parent = parent.parent
+    else:
+        if target.is_dir():
+            raise OctopipeError(f"{option} {path}: is a folder; give a file name")
+        parent = target.parent
+        if not parent.is_dir():
+            raise OctopipeError(f"{option} {path}: folder {parent} does not exist; create it or write elsewhere")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OctopipeError(f"{option} {path}: folder {parent} is not writable; write elsewhere")
+
+
+def _write_error(path: str, exc: OSError):
+    from octopipe.errors import OctopipeError
+
+    return OctopipeError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def _fail(exc: Exception, code: int) -> int:
@@ -101,7 +180,7 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8"):
     from octopipe.cluster import ClusterSpec
 
     spec = args.cluster or default
-    cluster = ClusterSpec.load(spec) if Path(spec).suffix in (".yaml", ".yml", ".json") else ClusterSpec.preset(spec)
+    cluster = ClusterSpec.of(spec, "--cluster")
     if getattr(args, "devices", None):
         if args.devices > cluster.num_devices and Path(spec).suffix:
             from octopipe.errors import ClusterSpecError
@@ -111,60 +190,102 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8"):
     return cluster
 
 
-def _load_model(spec: str, size: str, batch_size: int, seq_len: int | None, overrides: list[str]):
-    """(model, inputs, target, loss_fn) from a built-in name or `module:factory`. A factory returns
-    a dict with keys model, inputs, and optionally target and loss_fn."""
+def _load_model(args: argparse.Namespace):
+    """(model, inputs, target, loss_fn) from --model: a built-in name (with --size, --set,
+    --batch-size, --seq-len) or `module:factory`, a function of no arguments that returns a dict
+    with keys model, inputs, and optionally target and loss_fn (it makes its own batch)."""
     import torch
+    from torch import nn
 
     from octopipe import models
     from octopipe.errors import OctopipeError
 
+    spec = args.model
     if spec in models.MODEL_NAMES:
-        device = "meta" if size == "paper" else "cpu"
+        device = "meta" if args.size == "paper" else "cpu"
         with torch.device(device):
             torch.manual_seed(0)
-            model = models.build(spec, size, **_overrides(overrides))
-            inputs, target = _builtin_batch(spec, size, batch_size, seq_len, overrides)
+            model = models.build(spec, args.size, **_overrides(spec, args.size, args.set))
+            inputs, target = _builtin_batch(args)
         return model, inputs, target, models.lm_loss
     module_name, _, factory_name = spec.partition(":")
-    if not factory_name:
-        raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or module:factory")
+    if not module_name or not factory_name:
+        raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or "
+                            "module:factory (a module on the Python path and a function in it)")
+    if args.model_options:
+        raise OctopipeError(f"--model {spec}: {', '.join(args.model_options)} apply to the built-in models only; a "
+                            "factory makes its own model and batch (change them there)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a factory module in the current folder
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
         raise OctopipeError(f"--model {spec!r}: cannot import {factory_name} from {module_name}: {exc}") from None
-    made = factory()
+    if not callable(factory):
+        raise OctopipeError(f"--model {spec!r}: {factory_name} is a {type(factory).__name__}, not a function")
+    try:
+        made = factory()
+    except Exception as exc:  # noqa: BLE001 - the user's code: report it as theirs (OCTOPIPE_DEBUG=1 shows the traceback)
+        raise OctopipeError(f"--model {spec!r}: {factory_name}() raised {type(exc).__name__}: {exc}; the factory "
+                            "takes no arguments and returns {'model': ..., 'inputs': ...}") from exc
     if not isinstance(made, dict) or "model" not in made or "inputs" not in made:
         raise OctopipeError(f"--model {spec!r}: the factory must return a dict with 'model' and 'inputs' "
-                            "(and optionally 'target', 'loss_fn')")
-    inputs = made["inputs"] if isinstance(made["inputs"], tuple) else (made["inputs"],)
-    return made["model"], inputs, made.get("target"), made.get("loss_fn", models.lm_loss)
+                            f"(and optionally 'target', 'loss_fn'), got {_kind(made)}")
+    unknown = sorted(set(made) - {"model", "inputs", "target", "loss_fn"})
+    if unknown:
+        raise OctopipeError(f"--model {spec!r}: the factory's dict has unknown key(s) {unknown}; its keys are model, "
+                            "inputs, target and loss_fn")
+    inputs = tuple(made["inputs"]) if isinstance(made["inputs"], (tuple, list)) else (made["inputs"],)
+    target, loss_fn = made.get("target"), made.get("loss_fn", models.lm_loss)
+    if not isinstance(made["model"], nn.Module):
+        raise OctopipeError(f"--model {spec!r}: 'model' must be a torch.nn.Module, got {_kind(made['model'])}")
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise OctopipeError(f"--model {spec!r}: 'inputs' must be a tensor or a tuple of tensors (one batch)")
+    if target is not None and not isinstance(target, torch.Tensor):
+        raise OctopipeError(f"--model {spec!r}: 'target' must be a tensor (one batch of targets), got {_kind(target)}")
+    if not callable(loss_fn):
+        raise OctopipeError(f"--model {spec!r}: 'loss_fn' must be a function loss_fn(output, target), got {_kind(loss_fn)}")
+    return made["model"], inputs, target, loss_fn
 
 
-def _builtin_batch(spec: str, size: str, batch_size: int, seq_len: int | None, overrides: list[str]) -> tuple[tuple, Any]:
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def _builtin_batch(args: argparse.Namespace) -> tuple[tuple, Any]:
     """A built-in model's example batch (inputs, target), on the default device."""
     from octopipe import models
 
-    fields = _overrides(overrides)
-    return (models.example_inputs(spec, size, batch_size=batch_size, seq_len=seq_len, **fields),
-            models.example_target(spec, size, batch_size=batch_size, seq_len=seq_len, **fields))
+    fields = _overrides(args.model, args.size, args.set)
+    batch_size, seq_len = args.batch_size, args.seq_len
+    return (models.example_inputs(args.model, args.size, batch_size=batch_size, seq_len=seq_len, **fields),
+            models.example_target(args.model, args.size, batch_size=batch_size, seq_len=seq_len, **fields))
 
 
-def _overrides(items: list[str]) -> dict[str, Any]:
+def _overrides(model: str, size: str, items: list[str]) -> dict[str, Any]:
+    """--set FIELD=VALUE items as a built-in model's config fields, each read as its field's type."""
+    import dataclasses
+
+    from octopipe import models
     from octopipe.errors import OctopipeError
 
+    if not items:
+        return {}
+    types = {field.name: type(getattr(models.config(model, size), field.name))
+             for field in dataclasses.fields(models.config(model, size))}
     fields: dict[str, Any] = {}
-    for item in items or ():
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise OctopipeError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set num_layers=6")
+        if key not in types:
+            raise OctopipeError(f"--set {item!r}: {model} has no config field {key!r}; its fields: {', '.join(types)}")
+        kind = types[key]
         try:
-            fields[key] = int(value)
+            fields[key] = kind(value) if kind is not int else int(value, 10)
         except ValueError:
-            try:
-                fields[key] = float(value)
-            except ValueError:
-                fields[key] = value
+            raise OctopipeError(f"--set {item!r}: {model}'s {key} is {'an integer' if kind is int else 'a number'}, "
+                                f"got {value!r}") from None
     return fields
 
 
@@ -175,6 +296,10 @@ def _costs_from(args: argparse.Namespace, cluster):
     if args.costs and args.model:
         raise OctopipeError("give --costs FILE or --model, not both")
     if args.costs:
+        ignored = args.model_options + (["--profile"] if args.profile else [])
+        if ignored:
+            raise OctopipeError(f"--costs {args.costs}: {', '.join(ignored)} apply to --model only; a cost table "
+                                "carries its own costs")
         return _cost_table(args.costs, args.hidden_size), None
     if args.hidden_size is not None:
         raise OctopipeError("--hidden-size is for a profile given with --costs; a --model's costs carry their bytes")
@@ -184,7 +309,7 @@ def _costs_from(args: argparse.Namespace, cluster):
     from octopipe.passes.costs import analytic_costs
     from octopipe.passes.trace import trace
 
-    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    model, inputs, target, loss_fn = _load_model(args)
     graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
     micro = microbatch(inputs, args.microbatches)
     if args.profile:
@@ -229,22 +354,22 @@ def _cost_table(path: str, hidden_size: int | None):
 def _add_costs_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", metavar="FILE", help="cost table (JSON/YAML, keys as in the README's IR levels), or a profile "
                    "from data/profiles/ (activation and message bytes filled from the model's hidden size)")
-    p.add_argument("--hidden-size", type=int, default=None, metavar="H",
+    p.add_argument("--hidden-size", type=_positive_int, default=None, metavar="H",
                    help="hidden size for a --costs profile of a model not among the four published ones")
     p.add_argument("--model", metavar="NAME|module:factory",
                    help="a built-in model (llama, gemma, deepseek, nemotron-h, multimodal) or a factory")
-    p.add_argument("--size", default="tiny", choices=("tiny", "paper"), help="built-in model size (paper: on the meta device)")
+    p.add_argument("--size", default=None, choices=("tiny", "paper"), help="built-in model size (paper: on the meta device)")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a built-in model's config field")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=_positive_int, default=None,
                    help="global batch size of the example batch (default: 8 rounded up to a multiple of the microbatches)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the config's)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="sequence length (default: the config's)")
     p.add_argument("--profile", action="store_true", help="measure costs on this machine instead of analytic ones")
 
 
 def _add_cluster_options(p: argparse.ArgumentParser, default: str = "h100x8") -> None:
     p.add_argument("--cluster", metavar="FILE|PRESET", default=None,
                    help=f"cluster spec file or preset (h100x8, h100x16, h800x16-roce, a100x32, cpux2, ...; default {default})")
-    p.add_argument("--devices", type=int, default=None, help="number of devices (overrides the preset's count)")
+    p.add_argument("--devices", type=_positive_int, default=None, help="number of devices (overrides the preset's count)")
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -252,6 +377,7 @@ def _add_cluster_options(p: argparse.ArgumentParser, default: str = "h100x8") ->
 def cmd_demo(args: argparse.Namespace) -> int:
     from octopipe.demo import run_demo
 
+    _writable(args.out, "--out", directory=True)
     run_demo(out_dir=args.out, steps=args.steps, time_limit_s=args.time_limit, quick=args.quick)
     return EXIT_OK
 
@@ -259,6 +385,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from octopipe.api import plan
 
+    _writable(args.output, "-o")
     cluster = _cluster(args)
     costs, _ = _costs_from(args, cluster)
     limit: float | str | None = args.activation_limit
@@ -271,7 +398,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(result.report)
     if args.output:
         path = Path(args.output)
-        result.save(path)
+        try:
+            result.save(path)
+        except OSError as exc:
+            raise _write_error(args.output, exc) from None
         kept = " with the cost table and cluster it was planned on" if path.suffix == ".json" else ""
         print(f"plan written to {path}{kept}")
     else:
@@ -290,6 +420,15 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
 
     saved = load_saved_plan(path)
     plan_ = saved.plan
+    if args.microbatches is not None and args.microbatches != plan_.num_microbatches:
+        raise OctopipeError(f"--microbatches {args.microbatches}: {path} runs {plan_.num_microbatches} microbatches; "
+                            "a plan's microbatch count is its own (drop the option, or plan again)")
+    if args.devices is not None and args.devices < plan_.num_devices:
+        raise OctopipeError(f"--devices {args.devices}: {path} uses {plan_.num_devices} devices")
+    # a --model's costs are for one microbatch of this plan's count
+    args = argparse.Namespace(**vars(args))
+    args.microbatches = plan_.num_microbatches
+    args.batch_size = args.batch_size or _default_batch_size(plan_.num_microbatches)
     if args.cluster is None and saved.cluster is not None:
         cluster = saved.cluster.with_devices(args.devices) if args.devices else saved.cluster
     else:
@@ -301,7 +440,7 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         cluster = cluster.with_devices(plan_.num_devices)
     if args.costs or args.model:
         given = {} if given is None else given
-        key = cluster if args.model else None
+        key = (cluster, args.microbatches) if args.model else None
         if key not in given:
             given[key] = _costs_from(args, cluster)[0]
         costs = given[key]
@@ -320,6 +459,7 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
 def cmd_simulate(args: argparse.Namespace) -> int:
     from octopipe.simulator import simulate
 
+    _writable(args.trace, "--trace")
     plan_, costs, cluster, planned_ms = _plan_inputs(args, args.plan)
     result = simulate(plan_, costs, cluster, blocking_sends=args.blocking_sends)
     print(result)
@@ -327,7 +467,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         agrees = "the same" if abs(result.iteration_ms - planned_ms) <= 1e-6 * max(1.0, planned_ms) else "DIFFERENT"
         print(f"planned: {planned_ms:.2f} ms on the saved costs and cluster ({agrees})")
     if args.trace:
-        result.save_trace(args.trace)
+        try:
+            result.save_trace(args.trace)
+        except OSError as exc:
+            raise _write_error(args.trace, exc) from None
         print(f"Chrome/Perfetto trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     return EXIT_OK
 
@@ -336,14 +479,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     from octopipe.simulator import simulate
     from octopipe.viz import draw_comparison, draw_timeline
 
+    _writable(args.output, "-o")
     results, given = {}, {}
     for path in args.plans:
         plan_, costs, cluster, _ = _plan_inputs(args, path, given)
         results[Path(path).stem] = simulate(plan_, costs, cluster)
-    if len(results) == 1:
-        draw_timeline(next(iter(results.values())), args.output, title=args.title)
-    else:
-        draw_comparison(results, args.output, title=args.title)
+    try:
+        if len(results) == 1:
+            draw_timeline(next(iter(results.values())), args.output, title=args.title)
+        else:
+            draw_comparison(results, args.output, title=args.title)
+    except OSError as exc:
+        raise _write_error(args.output, exc) from None
     print(f"timeline written to {args.output}")
     return EXIT_OK
 
@@ -353,7 +500,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import octopipe
     from octopipe.bench import measure_steps
-    from octopipe.errors import OctopipeError
+    from octopipe.errors import ExecutionError, OctopipeError
 
     if args.clip_grad is not None and not args.clip_grad > 0:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
@@ -369,7 +516,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cluster = _cluster(args, default=f"cpux{args.nprocs}")
     if cluster.num_devices != args.nprocs:
         cluster = cluster.with_devices(args.nprocs)
-    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    model, inputs, target, loss_fn = _load_model(args)
     if any(param.is_meta for param in model.parameters()):
         raise OctopipeError(f"train --model {args.model}: the model is on the meta device; local training needs a "
                             "real one (a meta model trains under torchrun, each rank creating its own stages)")
@@ -377,7 +524,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from octopipe.runtime import load_into_model
         from octopipe.runtime.materialize import checkpoint_state
 
-        load_into_model(model, checkpoint_state(args.init, torch.device("cpu"), 0))  # type: ignore[arg-type]
+        try:
+            load_into_model(model, checkpoint_state(args.init, torch.device("cpu"), 0))  # type: ignore[arg-type]
+        except ExecutionError as exc:  # a bad file given on the command line, not a failed run
+            raise OctopipeError(f"--init {args.init}: {exc}") from None
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
@@ -412,7 +562,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     cluster = _cluster(args, default=f"h100x{world_size}")
     if cluster.num_devices != world_size:
         cluster = cluster.with_devices(world_size)
-    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    model, inputs, target, loss_fn = _load_model(args)
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
     # and each rank creates only its own stages, on its own GPU
     on_meta = any(param.is_meta for param in model.parameters())
@@ -462,7 +612,7 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
 
     if args.model in models.MODEL_NAMES:
         with torch.device("cpu"):
-            return _builtin_batch(args.model, args.size, args.batch_size, args.seq_len, args.set)
+            return _builtin_batch(args)
     if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
         raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
                             "batch (the model alone may be on meta)")
@@ -487,17 +637,25 @@ def torchrun_command(args: argparse.Namespace) -> str:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     import octopipe
+    from octopipe.errors import OctopipeError
 
+    if args.all and args.level:
+        raise OctopipeError("dump: --all writes every level; give --all DIR or --level LEVEL, not both")
+    _writable(args.all, "--all", directory=True)
     cluster = _cluster(args, default="cpux2")
-    model, inputs, target, loss_fn = _load_model(args.model, args.size, args.batch_size, args.seq_len, args.set)
+    model, inputs, target, loss_fn = _load_model(args)
     schedule = args.schedule or (None if args.plan else "1f1b")  # a given plan, else 1F1B unless named
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=args.plan, schedule=schedule, quiet=True)
     if args.all:
-        for path in pipe.dump_all(args.all):
+        try:
+            paths = pipe.dump_all(args.all)
+        except OSError as exc:
+            raise _write_error(args.all, exc) from None
+        for path in paths:
             print(path)
     else:
-        print(pipe.dump(args.level), end="")
+        print(pipe.dump(args.level or "plan"), end="")
     return EXIT_OK
 
 
@@ -510,24 +668,24 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plan a heterogeneous model for 2 CPU processes, train it, compare with the best baseline")
     p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans")
     p.add_argument("--steps", type=_positive_int, default=8, help="measured training steps per plan")
-    p.add_argument("--time-limit", type=float, default=20.0, help="planner time limit in seconds")
+    p.add_argument("--time-limit", type=_positive_float, default=20.0, help="planner time limit in seconds")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests)")
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("plan", help="search the best plan for a cost table or a model")
     _add_costs_options(p)
     _add_cluster_options(p)
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--time-limit", type=float, default=30.0, help="seconds for the whole search")
+    p.add_argument("--microbatches", type=_positive_int, default=16)
+    p.add_argument("--time-limit", type=_positive_float, default=30.0, help="seconds for the whole search")
     p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
                    help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GiB", help="device memory (default: the cluster's)")
+    p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GiB", help="device memory (default: the cluster's)")
     p.add_argument("--no-solver", action="store_true", help="skip the CP-SAT refinement")
-    p.add_argument("--min-gain", type=float, default=0.0, metavar="PCT",
+    p.add_argument("--min-gain", type=_percent, default=0.0, metavar="PCT",
                    help="return the best baseline that fits unless the searched plan is at least PCT%% faster on paper")
     p.add_argument("--no-recompute", action="store_true",
                    help="never recompute activations (by default the search may, where memory holds microbatches back)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")
     p.set_defaults(run=cmd_plan)
@@ -536,7 +694,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan file (.json or text form)")
     _add_costs_options(p)
     _add_cluster_options(p)
-    p.add_argument("--microbatches", type=int, default=16, help="(for --model costs) microbatches of the batch")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="(for --model costs) microbatches of the batch; default and only value: the plan's")
     p.add_argument("--blocking-sends", action="store_true", help="senders wait for their sends (no overlap)")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
     p.set_defaults(run=cmd_simulate)
@@ -545,19 +704,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("plans", nargs="+", help="plan files")
     _add_costs_options(p)
     _add_cluster_options(p)
-    p.add_argument("--microbatches", type=int, default=16, help="(for --model costs) microbatches of the batch")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="(for --model costs) microbatches of the batch; default and only value: the plan's")
     p.add_argument("-o", "--output", default="timeline.png", help="PNG or SVG")
     p.add_argument("--title", default=None)
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("train", help="train a model with a plan on local processes (or print the torchrun line)")
     p.add_argument("--model", required=True, metavar="NAME|module:factory")
-    p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
+    p.add_argument("--size", default=None, choices=("tiny", "paper"))
     p.add_argument("--set", action="append", metavar="FIELD=VALUE")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--nprocs", type=int, default=2, help="local processes (devices); with --torchrun, GPUs in all")
-    p.add_argument("--microbatches", type=int, default=None, help="default: the plan's (with --plan), else 4")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
+    p.add_argument("--seq-len", type=_positive_int, default=None)
+    p.add_argument("--nprocs", type=_positive_int, default=None,
+                   help="local processes (devices; default: the plan's with --plan, else 2); with --torchrun, GPUs in all")
+    p.add_argument("--microbatches", type=_positive_int, default=None, help="default: the plan's (with --plan), else 4")
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=_positive_int, default=5)
@@ -570,7 +731,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
                         "built on the meta device (--size paper) is created from it on each rank (default there: "
                         "the built-in model's own initialization, drawn per rank)")
-    p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--time-limit", type=_positive_float, default=10.0)
     p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")
     p.add_argument("--quiet", action="store_true")
@@ -578,16 +739,17 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dump", help="print an IR level of a compiled model")
     p.add_argument("--model", required=True, metavar="NAME|module:factory")
-    p.add_argument("--size", default="tiny", choices=("tiny", "paper"))
+    p.add_argument("--size", default=None, choices=("tiny", "paper"))
     p.add_argument("--set", action="append", metavar="FIELD=VALUE")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--microbatches", type=int, default=None, help="default: the plan's (with --plan), else 4")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: 8 rounded up to a multiple of the microbatches")
+    p.add_argument("--seq-len", type=_positive_int, default=None)
+    p.add_argument("--microbatches", type=_positive_int, default=None, help="default: the plan's (with --plan), else 4")
     p.add_argument("--plan", metavar="FILE")
     p.add_argument("--schedule", metavar="NAME", help="baseline to lower (default 1f1b)")
     p.add_argument("--cluster", default=None)
-    p.add_argument("--devices", type=int, default=None)
-    p.add_argument("--level", default="plan", choices=("graph", "costs", "plan", "program", "stages"))
+    p.add_argument("--devices", type=_positive_int, default=None)
+    p.add_argument("--level", default=None, choices=("graph", "costs", "plan", "program", "stages"),
+                   help="the IR level to print (default plan)")
     p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR")
     p.set_defaults(run=cmd_dump)
     return parser

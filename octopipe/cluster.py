@@ -163,6 +163,19 @@ class ClusterSpec:
 
     # -- presets ----------------------------------------------------------------------------
     @classmethod
+    def of(cls, spec: ClusterSpec | str | Path, where: str = "cluster") -> ClusterSpec:
+        """`spec` itself if it is a ClusterSpec, the file it names (.yaml/.yml/.json) or the
+        preset it names (`h100x8`, `cpux2`, ...)."""
+        if isinstance(spec, ClusterSpec):
+            return spec
+        if isinstance(spec, Path) or (isinstance(spec, str) and Path(spec).suffix in (".yaml", ".yml", ".json")):
+            return cls.load(spec)
+        if isinstance(spec, str):
+            return cls.preset(spec)
+        raise ClusterSpecError(f"{where}: expected a ClusterSpec, a preset name (h100x8, cpux2, ...) or a spec file "
+                               f"(.yaml/.json), got {type(spec).__name__}")
+
+    @classmethod
     def preset(cls, name: str, num_devices: int | None = None) -> ClusterSpec:
         """A real cluster by name: `h100x8`, `h100x16`, `h800x16`, `a100x32-roce`, `cpux4`, ...
 

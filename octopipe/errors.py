@@ -11,6 +11,11 @@ class OctopipeError(Exception):
     """Base class of every error OctoPipe raises on purpose."""
 
 
+class ArgumentError(OctopipeError, ValueError):
+    """A function or command argument is of the wrong type or out of range (a count, a limit, a
+    seed, a schedule name): the call is wrong, not the model or the plan."""
+
+
 class ParseError(OctopipeError):
     """A text or file form of an IR value (plan, cost table, program, graph) is malformed."""
 

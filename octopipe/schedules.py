@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import PlanError
+from octopipe.errors import ArgumentError, PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan
 
@@ -301,7 +301,7 @@ _FAMILIES: dict[str, _Family] = {
 def _family(name: str) -> _Family:
     family = _FAMILIES.get(name)
     if family is None:
-        raise PlanError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
+        raise ArgumentError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
     return family
 
 
@@ -309,7 +309,7 @@ def _stages_per_device(family: _Family, stages_per_device: int | None) -> int:
     if stages_per_device is None:
         return family.default_stages_per_device
     if not isinstance(stages_per_device, int) or isinstance(stages_per_device, bool) or stages_per_device < 1:
-        raise PlanError(f"{family.name}: stages_per_device must be a positive integer, got {stages_per_device!r}")
+        raise ArgumentError(f"{family.name}: stages_per_device must be a positive integer, got {stages_per_device!r}")
     if family.fixed_stages_per_device and stages_per_device != family.default_stages_per_device:
         raise PlanError(
             f"{family.name} runs exactly {family.default_stages_per_device} stage(s) per device, got "
@@ -342,7 +342,7 @@ def device_orders(
 def _check_counts(num_devices: int, num_microbatches: int) -> None:
     for label, value in (("num_devices", num_devices), ("num_microbatches", num_microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"{label} must be a positive integer, got {value!r}")
+            raise ArgumentError(f"{label} must be a positive integer, got {value!r}")
 
 
 # -- partitions -----------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def uniform_boundaries(
     last layer, so the first / last stage ends up one real layer lighter)."""
     where = "uniform partition"
     if not isinstance(num_stages, int) or num_stages < 1:
-        raise PlanError(f"{where}: num_stages must be a positive integer, got {num_stages!r}")
+        raise ArgumentError(f"{where}: num_stages must be a positive integer, got {num_stages!r}")
     if first_stage_layers is not None and account_for_embedding:
         raise PlanError(f"{where}: first_stage_layers and account_for_embedding exclude each other (as in Megatron)")
     if last_stage_layers is not None and account_for_loss:
@@ -379,7 +379,7 @@ def uniform_boundaries(
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise PlanError(f"{where}: {label} must be a positive integer, got {value!r}")
+            raise ArgumentError(f"{where}: {label} must be a positive integer, got {value!r}")
         if num_stages == 1:
             raise PlanError(f"{where}: {label} needs at least 2 stages, the plan has 1")
         counts[position] = value
@@ -559,7 +559,7 @@ def _boundaries(
                 raise PlanError(f"options {sorted(options)} apply to partition='uniform' only, not 'balanced'")
             uniform = uniform_boundaries(num_layers, num_stages)
             return balanced_partition(_layer_loads(costs), placement, start=uniform)
-        raise PlanError(f"unknown partition {partition!r}; use 'uniform', 'balanced' or boundaries [0, b1, ..., L]")
+        raise ArgumentError(f"unknown partition {partition!r}; use 'uniform', 'balanced' or boundaries [0, b1, ..., L]")
     if options:
         raise PlanError(f"options {sorted(options)} apply to partition='uniform' only, not to explicit boundaries")
     bounds = tuple(int(b) for b in partition)
@@ -598,11 +598,11 @@ def build(
     family = _family(name)
     unknown = sorted(set(options) - set(_UNIFORM_OPTIONS))
     if unknown:
-        raise PlanError(f"{name}: unknown option(s) {unknown}; valid options are {list(_UNIFORM_OPTIONS)}")
+        raise ArgumentError(f"{name}: unknown option(s) {unknown}; valid options are {list(_UNIFORM_OPTIONS)}")
     p = cluster.num_devices if num_devices is None else num_devices
     _check_counts(p, num_microbatches)
     if p > cluster.num_devices:
-        raise PlanError(f"{name}: num_devices={p} but the cluster {cluster.name!r} has {cluster.num_devices} devices")
+        raise ArgumentError(f"{name}: num_devices={p} but the cluster {cluster.name!r} has {cluster.num_devices} devices")
     v = _stages_per_device(family, stages_per_device)
     if family.requires is not None:
         family.requires(p, num_microbatches)

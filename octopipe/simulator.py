@@ -351,7 +351,8 @@ def simulate(
 ) -> SimResult:
     """Simulate one training iteration of `plan`. Raises PlanError (with the device x step grid)
     for a plan that cannot run: an op on the wrong device, a missing or repeated op, or a
-    dependency cycle."""
+    dependency cycle, or a partition that does not cover `costs`' layers in order."""
+    plan.validate(num_layers=len(costs))
     core = _run(plan, costs, cluster, blocking_sends, memory, record=True)
     return core  # type: ignore[return-value]
 

@@ -277,17 +277,127 @@ def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, caps
 def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, capsys):
     # found by a bad-input sweep: a traceback (ValueError) for --activation-limit junk, a
     # StatisticsError after training for --steps 0, and dump --plan refused every plan
-    for argv in (["plan", "--model", "gemma", "--activation-limit", "junk"], ["train", "--model", "gemma", "--steps", "0"]):
+    # (--memory-limit 0 was taken as "not given"; counts that are not positive reached the planner)
+    for argv in (["plan", "--model", "gemma", "--activation-limit", "junk"], ["train", "--model", "gemma", "--steps", "0"],
+                 ["plan", "--model", "gemma", "--memory-limit", "0"], ["plan", "--model", "gemma", "--microbatches", "0"],
+                 ["simulate", "p.json", "--devices", "-1"], ["plan", "--model", "gemma", "--time-limit", "nan"],
+                 ["plan", "--model", "gemma", "--seed", "-3"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == EXIT_USAGE
         assert "must be" in capsys.readouterr().err
-    # --memory-limit 0 was taken as "not given"
-    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--memory-limit", "0"]) != EXIT_OK
-    assert "memory_limit_bytes must be a positive" in capsys.readouterr().err
     saved = tmp_path / "plan.json"
     assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
                  "--activation-limit", "none", "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
     capsys.readouterr()
     assert main(["dump", "--model", "gemma", "--plan", str(saved), "--microbatches", "2", "--level", "plan"]) == EXIT_OK
     assert capsys.readouterr().out.startswith("plan devices=2 microbatches=2")
+
+
+FACTORIES = '''
+import torch
+
+def raises():
+    raise RuntimeError("no weights here")
+
+def needs(size):
+    return {}
+
+not_a_function = 3
+
+def not_a_module():
+    return {"model": "gpt", "inputs": torch.zeros(2, 2)}
+
+def extra_key():
+    return {"model": torch.nn.Linear(2, 2), "inputs": torch.zeros(2, 2), "targets": torch.zeros(2, 2)}
+
+def good():
+    return {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+            "inputs": torch.zeros(8, 4), "target": torch.zeros(8, 4), "loss_fn": torch.nn.functional.mse_loss}
+'''
+
+
+def _error(argv, capsys, code=EXIT_ERROR):
+    assert main(argv) == code, argv
+    err = capsys.readouterr().err
+    assert err.startswith("octopipe: error:") and "Traceback" not in err, err
+    return err
+
+
+def test_bad_model_factories_and_config_overrides_are_errors_not_tracebacks(tmp_path, monkeypatch, capsys):
+    # found by a bad-input sweep: each of these was a traceback, or (a factory in the current
+    # folder) could not be imported at all, or (--set with a factory) was silently ignored
+    (tmp_path / "facts.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "facts", raising=False)
+    dump = ["dump", "--level", "graph", "--model"]
+    assert "raised RuntimeError: no weights here" in _error(dump + ["facts:raises"], capsys)
+    assert "raised TypeError" in _error(dump + ["facts:needs"], capsys)
+    assert "is a int, not a function" in _error(dump + ["facts:not_a_function"], capsys)
+    assert "'model' must be a torch.nn.Module, got str" in _error(dump + ["facts:not_a_module"], capsys)
+    assert "unknown key(s) ['targets']" in _error(dump + ["facts:extra_key"], capsys)
+    assert "module:factory" in _error(dump + [":good"], capsys)
+    assert "--set, --batch-size apply to the built-in models only" in _error(
+        dump + ["facts:good", "--set", "num_layers=2", "--batch-size", "4"], capsys)
+    assert main(dump + ["facts:good"]) == EXIT_OK
+    assert capsys.readouterr().out.startswith("graph model=")
+    for item, message in (("vocab_size=abc", "vocab_size is an integer, got 'abc'"),
+                          ("vocab_size=1.5", "vocab_size is an integer, got '1.5'"),
+                          ("norm_eps=tiny", "norm_eps is a number, got 'tiny'"),
+                          ("vocab=64", "llama has no config field 'vocab'")):
+        assert message in _error(dump + ["llama", "--set", item], capsys)
+    assert main(dump + ["llama", "--set", "norm_eps=1e-5", "--set", "num_layers=3"]) == EXIT_OK
+    capsys.readouterr()
+
+
+def test_outputs_are_checked_before_the_work_and_ignored_options_are_refused(tmp_path, capsys):
+    missing = tmp_path / "no" / "plan.json"
+    assert "does not exist" in _error(["plan", "--costs", str(PROFILE), "-o", str(missing)], capsys)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    assert "is not a folder" in _error(["dump", "--model", "llama", "--all", str(a_file)], capsys)
+    assert "not both" in _error(["dump", "--model", "llama", "--all", str(tmp_path), "--level", "plan"], capsys)
+    assert "is a folder" in _error(["show", "p.json", "-o", str(tmp_path)], capsys)
+    # a cost table carries its own costs: a built-in model's options would be dropped
+    assert "--size, --set apply to --model only" in _error(
+        ["plan", "--costs", str(PROFILE), "--set", "num_layers=2", "--size", "paper"], capsys)
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--costs", str(PROFILE), "--min-gain", "500"])
+    assert info.value.code == EXIT_USAGE and "percentage in [0, 100)" in capsys.readouterr().err
+    # the plan's devices are train's processes; another count is a mistake, not ignored
+    from octopipe import ClusterSpec, CostTable, LayerCost, schedules
+
+    table = CostTable(tuple(LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)))
+    saved = tmp_path / "two.txt"
+    saved.write_text(str(schedules.build("1f1b", table, ClusterSpec.preset("cpux2"), 2)))
+    assert "runs on 2 devices" in _error(["train", "--model", "llama", "--plan", str(saved), "--nprocs", "3"], capsys)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    assert "is not a torch checkpoint" in _error(["train", "--model", "llama", "--init", str(junk)], capsys)
+
+
+def test_simulate_prices_a_text_plan_at_its_own_microbatch_count_and_validates_it(tmp_path, capsys):
+    # found by a bad-input sweep: a text plan of 2 microbatches simulated on --model costs of
+    # 16, and a hand-edited plan with overlapping stages simulated without complaint
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
+                 "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["simulate", str(saved)]) == EXIT_OK
+    planned = capsys.readouterr().out.split("planned: ")[1].split(" ms")[0]
+    from octopipe.api import load_plan
+
+    text = tmp_path / "plan.txt"
+    text.write_text(str(load_plan(saved)))
+    assert main(["simulate", str(text), "--model", "gemma", "--cluster", "cpux2"]) == EXIT_OK
+    priced = float(capsys.readouterr().out.split("iteration ")[1].split(" ms")[0])
+    assert f"{priced:.2f}" == planned
+    assert "runs 2 microbatches" in _error(["simulate", str(text), "--model", "gemma", "--microbatches", "4"], capsys)
+    lines = text.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("stage 1 "))
+    start = lines[first].split("layers=")[1].split(":")[0]
+    lines[first] = lines[first].replace(f"layers={start}:", f"layers={int(start) - 1}:")
+    text.write_text("\n".join(lines) + "\n")
+    assert "contiguously" in _error(["simulate", str(text), "--model", "gemma", "--cluster", "cpux2"], capsys,
+                                    code=EXIT_INVALID_PLAN)

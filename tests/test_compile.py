@@ -163,5 +163,42 @@ def test_receives_are_posted_at_the_step_start_on_gloo_and_one_compute_ahead_in_
     with pytest.raises(VerificationError, match="pair order"):
         verify(gloo.programs, gloo.plan, serialized_pairs=True)
     verify(gloo.programs, gloo.plan)
-    with pytest.raises(PlanError, match="receive_ahead must be a non-negative integer"):
+    with pytest.raises(octopipe.ArgumentError, match="receive_ahead must be a non-negative integer"):
         octopipe.compile(model, CLUSTER, receive_ahead=-1, **common)
+
+
+def test_cluster_by_name_a_non_scalar_loss_and_a_feature_dim_equal_to_the_batch():
+    # found by a bad-input sweep: compile(cluster="cpux2") raised AttributeError, a per-sample
+    # loss was accepted, and a [batch, features] input whose feature count equals the batch size
+    # had its features taken for a sequence (costs error, fake-tensor log noise)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipe = octopipe.compile(model, "cpux2", example_inputs=(x,), example_target=y, num_microbatches=4,
+                            loss_fn=torch.nn.functional.mse_loss, schedule="1f1b")
+    assert pipe.cluster == CLUSTER
+    assert not any("s" in text for layer in pipe.costs for key, text in layer.formulas if key == "forward_flops")
+    with pytest.raises(octopipe.ClusterSpecError, match="expected a ClusterSpec, a preset name"):
+        octopipe.compile(model, 2, example_inputs=(x,), example_target=y, loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(octopipe.TraceError, match=r"must return a scalar .*got \(8, 4\)"):
+        octopipe.compile(model, CLUSTER, example_inputs=(x,), example_target=y, loss_fn=lambda o, t: (o - t) ** 2,
+                         schedule="1f1b")
+    with pytest.raises(octopipe.ArgumentError, match="num_microbatches must be a positive integer"):
+        octopipe.compile(model, CLUSTER, example_inputs=(x,), example_target=y, num_microbatches=0,
+                         loss_fn=torch.nn.functional.mse_loss)
+
+
+def test_a_step_on_a_batch_unlike_the_example_is_refused_before_anything_runs():
+    # found by a bad-input sweep: a wrong batch size failed inside gloo, a missing target with
+    # an IndexError
+    model, x, y = _tiny("llama")
+    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=x, example_target=y,
+                            loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b")
+    engine = pipe.engine(0, device="cpu")
+    with pytest.raises(octopipe.ArgumentError, match=r"input 0 is \(16, 32\) .*compiled for \(8, 32\)"):
+        engine.step((torch.cat([x[0], x[0]]),), torch.cat([y, y]))
+    with pytest.raises(octopipe.ArgumentError, match="the target is .*torch.int32"):
+        engine.step(x, y.to(torch.int32))
+    with pytest.raises(octopipe.ArgumentError, match=r"call step\(inputs, target\)"):
+        engine.step(x, None)
+    assert engine.step(x, y) > 0

@@ -85,7 +85,7 @@ def test_min_gain_keeps_the_best_fitting_baseline_unless_the_search_beats_it_by_
     check_result(kept, costs, cluster)
     below = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05, min_gain=gain / 2)
     assert below.plan == searched.plan and below.report.chosen == searched.report.chosen
-    with pytest.raises(octopipe.PlanError, match="min_gain"):
+    with pytest.raises(octopipe.ArgumentError, match="min_gain"):
         octopipe.plan(costs, cluster, 8, quiet=True, min_gain=2)
 
 
@@ -162,7 +162,11 @@ def test_memory_limit_no_plan_can_meet_says_the_least_that_works():
     with pytest.raises(InfeasibleError) as error:
         octopipe.plan(costs, cluster, 8, memory_limit_bytes=10 * GiB, quiet=True)
     message = str(error.value)
-    assert "GiB" in message and "more devices" in message and "Raise the memory limit to" in message
+    # one 8 GiB layer per device fits 10 GiB; two do not: as many devices as layers
+    assert "GiB" in message and "use 10 devices" in message and "Raise the memory limit to" in message
+    # no count of devices helps when one layer alone is over the limit (it once said ~850 devices)
+    with pytest.raises(InfeasibleError, match="more devices cannot help"):
+        octopipe.plan(costs, cluster, 8, memory_limit_bytes=4 * GiB, quiet=True)
 
 
 def test_activation_limit_below_one_microbatch_is_infeasible_with_the_fix():
@@ -196,9 +200,9 @@ def test_bad_arguments_fail_clearly():
     cluster = ClusterSpec.preset("h100x4")
     with pytest.raises(octopipe.PlanError, match="num_devices"):
         octopipe.plan(costs, cluster, 4, quiet=True)  # 4 devices, 3 layers
-    with pytest.raises(octopipe.PlanError, match="num_microbatches"):
+    with pytest.raises(octopipe.ArgumentError, match="num_microbatches"):
         octopipe.plan(costs, cluster.with_devices(2), 0, quiet=True)
-    with pytest.raises(octopipe.PlanError, match="activation_limit"):
+    with pytest.raises(octopipe.ArgumentError, match="activation_limit"):
         octopipe.plan(costs, cluster.with_devices(2), 4, activation_limit="2f2b", quiet=True)
     # a limit on activations the table does not have would bind nothing: refused, with the fix
     bare = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)], model="bare")
@@ -207,9 +211,9 @@ def test_bad_arguments_fail_clearly():
     with pytest.raises(octopipe.PlanError, match="neither activation_bytes nor param_bytes"):
         octopipe.plan(bare, cluster.with_devices(2), 4, memory_limit_bytes=2**30, quiet=True)
     for bad in (dict(memory_limit_bytes=0), dict(effort=float("nan")), dict(effort=-1), dict(seed=1.5)):
-        with pytest.raises(octopipe.PlanError, match=next(iter(bad))):  # found by fuzzing: raw errors before
+        with pytest.raises(octopipe.ArgumentError, match=next(iter(bad))):  # found by fuzzing: raw errors before
             octopipe.plan(costs, cluster.with_devices(2), 4, quiet=True, **bad)
-    with pytest.raises(octopipe.PlanError, match="num_microbatches"):
+    with pytest.raises(octopipe.ArgumentError, match="num_microbatches"):
         octopipe.plan(costs, cluster.with_devices(2), True, quiet=True)
     # nothing to balance: every layer takes no time (the report's ratios would divide by 0)
     idle = CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(4)], model="idle")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import PlanError
+from octopipe.errors import ArgumentError, PlanError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.plan import OpKind, PipelinePlan
 from octopipe.schedules import (
@@ -297,7 +297,7 @@ def test_uniform_options_reach_build_and_are_checked():
         uniform_boundaries(4, 4, first_stage_layers=2)
     with pytest.raises(PlanError, match="uniform"):
         build("1f1b", costs, cluster, 4, partition="balanced", first_stage_layers=2)
-    with pytest.raises(PlanError, match="unknown option"):
+    with pytest.raises(ArgumentError, match="unknown option"):
         build("1f1b", costs, cluster, 4, virtual_stages=2)
 
 
@@ -313,11 +313,11 @@ def test_undefined_inputs_raise_plan_errors_that_say_why():
         build("zb-v", uniform_costs(6), cluster, 8)
     with pytest.raises(PlanError, match="exactly 2 stage"):
         build("zb-v", costs, cluster, 8, stages_per_device=3)
-    with pytest.raises(PlanError, match="unknown schedule 'zb-h3'"):
+    with pytest.raises(ArgumentError, match="unknown schedule 'zb-h3'"):
         build("zb-h3", costs, cluster, 8)
-    with pytest.raises(PlanError, match="num_devices=5 but the cluster"):
+    with pytest.raises(ArgumentError, match="num_devices=5 but the cluster"):
         build("1f1b", costs, cluster, 8, num_devices=5)
-    with pytest.raises(PlanError, match="num_microbatches must be a positive integer"):
+    with pytest.raises(ArgumentError, match="num_microbatches must be a positive integer"):
         build("1f1b", costs, cluster, 0)
     with pytest.raises(PlanError, match="strictly increasing boundaries"):
         build("1f1b", costs, cluster, 8, partition=[0, 4, 4, 8, 16])

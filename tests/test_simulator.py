@@ -133,14 +133,21 @@ device 1: 1F1 1F0 1B0 1B1
 
 def test_wrong_device_missing_and_duplicate_ops_are_plan_errors():
     head = "plan devices=2 microbatches=1 stages=2\nstage 0 layers=0:1 device=0\nstage 1 layers=1:2 device=1\n"
-    with pytest.raises(PlanError, match="belongs to stage 1, placed on device 1"):
-        simulate(plan_of(head + "device 0: 0F0 1F0 0B0\ndevice 1: 1B0\n"), table(2), FREE)
-    with pytest.raises(PlanError, match="missing 1 op"):
-        simulate(plan_of(head + "device 0: 0F0\ndevice 1: 1F0 1B0\n"), table(2), FREE)
-    with pytest.raises(PlanError, match="appears twice"):
-        simulate(plan_of(head + "device 0: 0F0 0B0 0B0\ndevice 1: 1F0 1B0\n"), table(2), FREE)
-    with pytest.raises(PlanError, match="cost table .* has 3"):
-        simulate(plan_of(head + "device 0: 0F0 0B0\ndevice 1: 1F0 1B0\n"), table(3), FREE)
+    wrong_device = plan_of(head + "device 0: 0F0 1F0 0B0\ndevice 1: 1B0\n")
+    missing = plan_of(head + "device 0: 0F0\ndevice 1: 1F0 1B0\n")
+    twice = plan_of(head + "device 0: 0F0 0B0 0B0\ndevice 1: 1F0 1B0\n")
+    short = plan_of(head + "device 0: 0F0 0B0\ndevice 1: 1F0 1B0\n")
+    # simulate() validates the plan first (PipelinePlan.validate, with the grid) ...
+    for plan, expected in ((wrong_device, "belongs to stage 1, which is placed on device 1"),
+                           (missing, "op 0B0 is missing"), (twice, "appears twice"),
+                           (short, "cover layers 0:2 but the model has 3 layers")):
+        with pytest.raises(PlanError, match=expected):
+            simulate(plan, table(3 if plan is short else 2), FREE)
+    # ... and the tuner's fast path, which skips that, still refuses them itself
+    for plan, expected in ((wrong_device, "belongs to stage 1, placed on device 1"), (missing, "missing 1 op"),
+                           (twice, "appears twice"), (short, "cost table .* has 3")):
+        with pytest.raises(PlanError, match=expected):
+            iteration_time(plan, table(3 if plan is short else 2), FREE)
 
 
 def test_critical_path_is_a_dependency_chain_to_the_end():

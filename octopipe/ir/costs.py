@@ -26,8 +26,10 @@ objects with keys name, from, to, bytes.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +47,9 @@ cost the same (the zero-bubble papers' F = B = W assumption for transformer bloc
 _TIME_FIELDS = ("forward_ms", "backward_ms")
 _OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms")
 _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
+_LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
+_TABLE_KEYS = ("model", "weight_fraction", "layers", "tied", "skips")
+_FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +147,13 @@ class CostTable:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise CostTableError(f"cost table {self.model!r}: has no layers")
+        seen: dict[str, int] = {}
         for index, layer in enumerate(self.layers):
-            _check_layer(layer, f"cost table {self.model!r}: layer {index} ({layer.name!r})")
+            where = f"cost table {self.model!r}: layer {index} ({layer.name!r})"
+            _check_layer(layer, where)
+            if layer.name in seen:
+                raise CostTableError(f"{where}: name already used by layer {seen[layer.name]}; names must be unique")
+            seen[layer.name] = index
         if not 0 <= self.weight_fraction <= 1:
             raise CostTableError(f"cost table {self.model!r}: weight_fraction must be in [0, 1], got {self.weight_fraction}")
         object.__setattr__(self, "tied", tuple(self.tied))
@@ -326,7 +336,8 @@ class CostTable:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "cost table") -> CostTable:
-        """Build from the file form; keys beyond the known ones (like `source`) are ignored."""
+        """Build from the file form. Top-level keys beyond the known ones (like `source`) are notes
+        and ignored, unless they look like a misspelt known key; a layer's unknown keys are refused."""
         if not isinstance(data, dict):
             raise CostTableError(f"{source}: expected an object with a 'layers' list, got {type(data).__name__}")
         raw_layers = data.get("layers")
@@ -335,6 +346,11 @@ class CostTable:
         weight_fraction = data.get("weight_fraction", DEFAULT_WEIGHT_FRACTION)
         if not _is_number(weight_fraction) or not 0 <= weight_fraction <= 1:
             raise CostTableError(f"{source}: 'weight_fraction' must be a number in [0, 1], got {weight_fraction!r}")
+        for key in data:
+            close = difflib.get_close_matches(str(key), _TABLE_KEYS, n=1, cutoff=0.75)
+            if key not in _TABLE_KEYS and close:
+                raise CostTableError(f"{source}: unknown key {key!r}; did you mean {close[0]!r}? (other keys, like "
+                                     "'source', are kept as notes and ignored)")
         layers = []
         seen: dict[str, int] = {}
         for index, raw in enumerate(raw_layers):
@@ -394,6 +410,11 @@ def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
     if not isinstance(name, str) or not name:
         raise CostTableError(f"{where}: field 'name' must be a non-empty string, got {name!r}")
     where = f"{source}: layer {index} ({name!r})"
+    unknown = [key for key in raw if key not in _LAYER_KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), _LAYER_KEYS, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise CostTableError(f"{where}: unknown field {unknown[0]!r}; {hint}a layer's fields are {', '.join(_LAYER_KEYS)}")
     values: dict[str, Any] = {}
     for key in _TIME_FIELDS:
         if key not in raw:
@@ -496,3 +517,7 @@ def _check_layer(layer: LayerCost, where: str) -> None:
             raise CostTableError(f"{where}: field {key!r} must be a non-negative integer of bytes, got {value!r}")
     if not isinstance(layer.name, str) or not layer.name:
         raise CostTableError(f"{where}: name must be a non-empty string")
+    for key, text in layer.formulas:
+        if not isinstance(key, str) or not _FORMULA_NAME.fullmatch(key) or not isinstance(text, str):
+            raise CostTableError(f"{where}: formula {key!r}: names are letters, digits, '_' and '.' (like "
+                                 "forward_flops) and expressions are strings")

@@ -14,8 +14,8 @@ from the ratios between runs, so model dims that happen to equal b or s cannot b
 them), or, failing that, as b^i * (a*s + k) (padding, `s + 3`). A graph that cannot be re-run at
 other sizes (a static torch.export graph) falls back to mapping the example's own sizes: a dim
 equal to the example batch is b, to its sequence s, to their product b*s. The batch dim is dim 0
-of every input; the sequence dim is dim 1 of 2-D ([b, s] ids) and 3-D ([b, s, d]) inputs, none of
-4-D (images); `seq_dims` overrides this per input.
+of every input; the sequence dim is dim 1 of 2-D integer ([b, s] ids) and 3-D ([b, s, d]) inputs,
+none of 2-D floats ([b, features]) and 4-D (images); `seq_dims` overrides this per input.
 
 Per-op rules (FLOPs count a multiply-add as 2; bytes are reads + writes, floats at `dtype_bytes`,
 integer tensors at their own size; cross-entropy and its log-softmax in fp32, as autocast does):
@@ -285,7 +285,9 @@ def _input_axes(
         info: ValueInfo | None = node.meta.get("octopipe.value")
         rank = len(info.shape) if info is not None and info.is_tensor else 0
         batch_dim = 0 if rank >= 1 else None
-        seq_dim: int | None = 1 if rank in (2, 3) else None
+        # [b, s] token ids and [b, s, d] embeddings have a sequence; [b, features] floats do not
+        integer = info is not None and info.is_tensor and not info.dtype.startswith(("float", "bfloat", "complex"))
+        seq_dim: int | None = 1 if rank == 3 or (rank == 2 and integer) else None
         if seq_dims is not None and node.name in seq_dims:
             seq_dim = seq_dims[node.name]
         axes[node.name] = (batch_dim, seq_dim)

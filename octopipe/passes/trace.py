@@ -620,6 +620,8 @@ def _build_graph(
         ) from None
     for node in graph.nodes:
         node.meta["octopipe.value"] = values.get(node.name)
+    if loss_name is not None:
+        _check_scalar_loss(graph, values)
     for node, example in zip([n for n in graph.nodes if n.op == "placeholder"], args):
         node.meta["octopipe.example"] = example
     gm.meta["octopipe.modules"] = module_paths
@@ -627,6 +629,20 @@ def _build_graph(
     gm.meta["octopipe.layer_of"] = {node.name: layer for node, layer in layer_of.items()}
 
     return _assemble(model, root, gm, layer_units, layer_of, values, module_paths, method, loss_name)
+
+
+def _check_scalar_loss(graph: fx.Graph, values: dict[str, Any]) -> None:
+    """The traced loss must be one number: the pipeline sums microbatch losses and backpropagates
+    from them (a per-sample loss would need a reduction the model does not say)."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    loss = output.args[0]
+    if isinstance(loss, (tuple, list)) and len(loss) == 1:  # torch.export returns a tuple of outputs
+        loss = loss[0]
+    value = values.get(loss.name) if isinstance(loss, fx.Node) else loss
+    if not isinstance(value, ValueInfo) or not value.is_tensor or value.items or value.numel != 1:
+        shape = value.shape if isinstance(value, ValueInfo) and value.is_tensor and not value.items else "not a tensor"
+        raise TraceError(f"trace: loss_fn(output, target) must return a scalar (the batch's mean loss), got {shape}; "
+                         "reduce it, e.g. F.cross_entropy(..., reduction='mean')")
 
 
 def _is_input_size(node: fx.Node) -> bool:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from octopipe.errors import ExecutionError
+from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materialize
@@ -165,6 +165,30 @@ class Engine:
             for producer in stage.producers():
                 self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
 
+    def _check_batch(self, batch: tuple[Any, ...], num_inputs: int, count: int) -> None:
+        """Every batch tensor this rank's stages read is there, with the shape and dtype the
+        pipeline was compiled for (its receive buffers and messages are sized by them)."""
+        for index, stage in sorted(self.stages.items()):
+            for src in stage.inputs:
+                if not src.is_batch:
+                    continue
+                what = "the target" if src.index >= num_inputs else f"input {src.index}"
+                if src.index >= len(batch):
+                    raise ArgumentError(
+                        f"rank {self.rank}: stage {index} reads batch tensor {src.index} but step() got {num_inputs} "
+                        f"input(s) and {'a target' if len(batch) > num_inputs else 'no target'}; the pipeline computes "
+                        "the loss on its last stage: call step(inputs, target)")
+                tensor = batch[src.index]
+                if not isinstance(tensor, Tensor):
+                    raise ArgumentError(f"rank {self.rank}: step(): {what} must be a tensor, got {type(tensor).__name__}")
+                spec = src.spec
+                expected = (spec.shape[0] * count, *spec.shape[1:]) if spec.shape else ()
+                if tuple(tensor.shape) != expected or tensor.dtype != spec.dtype:
+                    raise ArgumentError(
+                        f"rank {self.rank}: step(): {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
+                        f"was compiled for {expected} {spec.dtype} ({count} microbatches of {tuple(spec.shape)}); "
+                        "every step takes a batch shaped like the example batch: compile again with one like this")
+
     def _make_tied_groups(self) -> dict[tuple[int, ...], Any]:
         mine = sorted({i.ranks for i in self.program.instructions if i.kind is InstrKind.REDUCE_TIED})
         if self.world_size == 1 or not dist.is_initialized():
@@ -268,10 +292,7 @@ class Engine:
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
         if any(kind == "batch" for fetch in self._fetch.values() for kind, _, _ in fetch):
-            for position, tensor in enumerate(batch):
-                if tensor.shape[0] % count:
-                    raise ExecutionError(f"rank {self.rank}: batch tensor {position} has {tensor.shape[0]} rows, not "
-                                         f"divisible into {count} microbatches")
+            self._check_batch(batch, len(tuple(inputs)), count)
             chunks = [t.to(self.device, non_blocking=True).chunk(count) for t in batch]
             self._micro = [tuple(chunk[m] for chunk in chunks) for m in range(count)]
         self._slots: dict[tuple[int, int], _Slot] = {}
@@ -659,15 +680,9 @@ def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch
     (tied parameters under their first name)."""
     entries = state["model"]
     named = dict(model.named_parameters())
-    missing = [name for name in named if name not in entries]
-    if missing:
-        raise ExecutionError(f"state lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(entries[name])
-        for name, buffer in model.named_buffers():
-            if name in entries:
-                buffer.copy_(entries[name])
+    tensors = [*((name, param, True) for name, param in named.items()),
+               *((name, buffer, False) for name, buffer in model.named_buffers())]
+    load_named(tensors, entries, 0, "state")
     if optimizer is not None and "optimizer" in state:
         load_optimizer_state(optimizer, named, state["optimizer"])
 

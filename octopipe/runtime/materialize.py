@@ -103,7 +103,12 @@ def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str
         if not os.path.exists(path):
             raise ExecutionError(f"rank {rank}: init checkpoint {path!r} does not exist; give the path of a "
                                  "checkpoint (Engine.save_checkpoint or torch.save(model.state_dict(), path))")
-        state = torch.load(path, map_location=device, weights_only=True)
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds (pickle, zip, EOF) on a bad file
+            raise ExecutionError(f"rank {rank}: init checkpoint {path!r} is not a torch checkpoint "
+                                 f"({type(exc).__name__}: {str(exc)[:200]}); give a file written by "
+                                 "Engine.save_checkpoint or torch.save(model.state_dict(), path)") from None
     if not isinstance(state, Mapping):
         raise ExecutionError(f"rank {rank}: init checkpoint is a {type(state).__name__}, not a state dict")
     return state if isinstance(state.get("model"), Mapping) else {"model": state}
@@ -119,6 +124,9 @@ def load_named(tensors: Iterable[tuple[str, torch.Tensor, bool]], values: Mappin
     with torch.no_grad():
         for name, tensor, required in tensors:
             if name in values:
+                if not isinstance(values[name], torch.Tensor):
+                    raise ExecutionError(f"rank {rank}: {what}: {name!r} is a {type(values[name]).__name__}, not a "
+                                         "tensor: is it this model's state dict?")
                 if tuple(values[name].shape) != tuple(tensor.shape):
                     raise ExecutionError(f"rank {rank}: {what}: {name!r} has shape {tuple(values[name].shape)}, the "
                                          f"model's is {tuple(tensor.shape)}: is it this model's?")

@@ -157,6 +157,12 @@ GOOD = {"name": "l0", "kind": "block", "forward_ms": 1.0, "backward_ms": 2.0}
             r"layer 0 \('l0'\): field 'formulas' must map names",
         ),
         ({"layers": [GOOD, GOOD]}, r"layer 1 \('l0'\): name already used by layer 0"),
+        # found by a bad-input sweep: misspelt keys were dropped silently
+        (
+            {"layers": [{**GOOD, "backward_weight_m": 1.0}]},
+            r"layer 0 \('l0'\): unknown field 'backward_weight_m'; did you mean 'backward_weight_ms'\?",
+        ),
+        ({"layers": [GOOD], "weight_fracton": 0.3}, r"unknown key 'weight_fracton'; did you mean 'weight_fraction'\?"),
     ],
 )
 def test_load_errors_name_file_layer_and_field(tmp_path, content, expected):
@@ -192,6 +198,12 @@ def test_text_parse_errors(text, expected):
 def test_constructor_checks_layers():
     with pytest.raises(CostTableError, match="has no layers"):
         CostTable(())
+    # found by a bad-input sweep: the constructor took what loading refuses, so a saved plan's
+    # table could not be read back, and a formula name with a space broke the text form
+    with pytest.raises(CostTableError, match=r"layer 1 \('a'\): name already used by layer 0"):
+        CostTable((LayerCost("a", forward_ms=1.0, backward_ms=2.0), LayerCost("a", forward_ms=1.0, backward_ms=2.0)))
+    with pytest.raises(CostTableError, match="formula 'forward flops': names are letters"):
+        CostTable((LayerCost("a", forward_ms=1.0, backward_ms=2.0, formulas=(("forward flops", "b*s"),)),))
     with pytest.raises(CostTableError, match=r"layer 0 \('a'\): field 'backward_ms'"):
         CostTable((LayerCost("a", forward_ms=1.0, backward_ms=math.nan),))
 
