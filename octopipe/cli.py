@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,44 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text and keep it when `ok`, else a usage error saying it
+    must be `what` (NaN fails every comparison, so it is refused too)."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 100:
-        raise argparse.ArgumentTypeError(f"must be a percentage in [0, 100) (2 = 2%), got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
+_positive_int = _bounded(int, lambda value: value >= 1, "a positive integer")
+_positive_float = _bounded(float, lambda value: 0 < value < math.inf, "a positive number")
+_percent = _bounded(float, lambda value: 0 <= value < 100, "a percentage in [0, 100) (2 = 2%)")
+_seed = _bounded(int, lambda value: 0 <= value < 2**63, "a non-negative integer")
 
 
 def _activation_limit_arg(text: str) -> float | str | None:
@@ -94,12 +76,9 @@ def _activation_limit_arg(text: str) -> float | str | None:
     if word in ("1f1b", "none"):
         return None if word == "none" else word
     try:
-        value = float(word)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be GiB per device (a positive number), 1f1b or none, got {text!r}")
-    return value
+        return _positive_float(word)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be GiB per device (a positive number), 1f1b or none, got {text!r}") from None
 
 
 def _resolve_defaults(args: argparse.Namespace) -> None:
