@@ -1451,6 +1451,7 @@ def _pack_capacities(items: Sequence[int], capacities: Sequence[int], budget: li
     if any(c < 0 for c in capacities) or sum(items) > sum(capacities):
         return False
     prefix, smallest = _running_sums(items)
+    groups = _size_groups(items)
     failed: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
 
     def search(i: int, bins: list[list[int]]) -> bool:
@@ -1468,7 +1469,7 @@ def _pack_capacities(items: Sequence[int], capacities: Sequence[int], budget: li
             k = min(bisect.bisect_right(smallest, free) - 1, left)
             count += k
             room += min(free, prefix[i + k] - prefix[i])
-        if room < prefix[n] - prefix[i] or count < left or not _counts_fit(items, i, [cap - used for cap, used in bins]):
+        if room < prefix[n] - prefix[i] or count < left or not _counts_fit(groups, i, [cap - used for cap, used in bins]):
             failed.add(key)
             return False
         size = items[i]
@@ -1488,20 +1489,27 @@ def _pack_capacities(items: Sequence[int], capacities: Sequence[int], budget: li
     return search(0, [[c, 0] for c in capacities])
 
 
-def _counts_fit(items: Sequence[int], start: int, free: Sequence[int]) -> bool:
-    """For every size t of the remaining items (items[start:], non-increasing): the items of size
-    >= t each take t or more, so the bins must have room for that many of them: sum over bins of
-    floor(free / t) >= their count. (Counting with the smallest items, as the room test does, is
-    weak when a few small items sit among many large ones.)"""
-    previous = None
-    for index in range(start, len(items)):
-        size = items[index]
-        if size == previous or size <= 0:
-            continue
-        previous = size
-        last = index
-        while last + 1 < len(items) and items[last + 1] == size:
-            last += 1
-        if sum(room // size for room in free if room > 0) < last + 1 - start:
+def _size_groups(items: Sequence[int]) -> list[tuple[int, int]]:
+    """(size, index of its last item) of each distinct positive size of `items` (non-increasing)."""
+    groups: list[tuple[int, int]] = []
+    for index, size in enumerate(items):
+        if size <= 0:
+            break
+        if groups and groups[-1][0] == size:
+            groups[-1] = (size, index)
+        else:
+            groups.append((size, index))
+    return groups
+
+
+def _counts_fit(groups: Sequence[tuple[int, int]], start: int, free: Sequence[int]) -> bool:
+    """For every size t of the remaining items (items[start:], non-increasing; `groups` from
+    `_size_groups`): the items of size >= t each take t or more, so the bins must have room for
+    that many of them: sum over bins of floor(free / t) >= their count. (Counting with the
+    smallest items, as the room test does, is weak when a few small items sit among many large
+    ones.)"""
+    rooms = [room for room in free if room > 0]
+    for size, last in groups:
+        if last >= start and sum(room // size for room in rooms) < last + 1 - start:
             return False
     return True

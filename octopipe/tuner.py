@@ -667,9 +667,11 @@ def stage_counts(num_devices: int, num_layers: int, max_laps: int = 8) -> list[i
 
 
 def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: int, *, seed: int = 0,
-                         structure_work: float = 0.3) -> list[tuple[Structure, str]]:
+                         structure_work: float = 0.3, deadline: float | None = None) -> list[tuple[Structure, str]]:
     """Looped and zigzag placements of every stage count in `stage_counts`, each with device-
-    balanced, stage-balanced and release-aware boundaries (see the module doc), de-duplicated."""
+    balanced, stage-balanced and release-aware boundaries (see the module doc), de-duplicated.
+    The release-aware ones come from CP-SAT (`structure_work` deterministic seconds each); past
+    `deadline` (time.perf_counter()) they are left out and each solve is cut at it."""
     from octopipe.schedules import balanced_boundaries, balanced_partition, uniform_boundaries
     from octopipe.solver import balanced_structure, layer_loads
 
@@ -684,8 +686,10 @@ def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: i
                 ("device-balanced", balanced_partition(loads, placement, start=uniform_boundaries(num_layers, count))),
                 ("stage-balanced", balanced_boundaries(loads, count)),
             ]
-            released = balanced_structure(costs, p, count, placement, num_microbatches=num_microbatches,
-                                          work=structure_work, seed=seed, hint=options[0][1])
+            left = _seconds_left(deadline)
+            released = None if left <= 0 else balanced_structure(
+                costs, p, count, placement, num_microbatches=num_microbatches, work=structure_work, seed=seed,
+                hint=options[0][1], time_limit_s=None if deadline is None else left)
             if released is not None:
                 options.append(("release-aware", released[0]))
             for how, bounds in options:
@@ -697,12 +701,16 @@ def candidate_structures(costs: CostTable, num_devices: int, num_microbatches: i
                         if moved is not None:
                             found.setdefault(Structure(tuple(bounds), moved, p),
                                              f"{count} stages {label} {how} rebalanced ({moves})")
-        if p < count <= 3 * p:
+        if p < count <= 3 * p and _seconds_left(deadline) > 0:
             free = balanced_structure(costs, p, count, None, num_microbatches=num_microbatches, work=structure_work,
-                                      seed=seed)
+                                      seed=seed, time_limit_s=None if deadline is None else _seconds_left(deadline))
             if free is not None:
                 found.setdefault(Structure(free[0], free[1], p), f"{count} stages free placement release-aware")
     return list(found.items())
+
+
+def _seconds_left(deadline: float | None) -> float:
+    return math.inf if deadline is None else deadline - time.perf_counter()
 
 
 # -- the search -----------------------------------------------------------------------------------
@@ -768,7 +776,7 @@ def tune(
             if candidate is not None:
                 starts.append(candidate)
     # 2. candidate structures, screened with a few policies, the best with all of them
-    structures += candidate_structures(costs, p, num_microbatches, seed=seed)
+    structures += candidate_structures(costs, p, num_microbatches, seed=seed, deadline=search.deadline)
     unique: dict[Structure, str] = {}
     for structure, label in structures:
         unique.setdefault(structure, label)

@@ -195,6 +195,20 @@ def test_time_limit_too_short_returns_a_valid_plan_and_says_it_was_cut_short():
     assert "cut short" in str(result.report)
 
 
+def test_the_time_limit_holds_while_candidate_structures_are_built():
+    # the release-aware candidate structures (a CP-SAT solve each, about 0.35 s here) ignored the
+    # time limit: a 2 s plan of DeepSeek-16B on 4 devices took 7-8 s
+    from pathlib import Path
+
+    from octopipe import profiles
+
+    costs = profiles.load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles" / "deepseek-16B-seq4096.json")
+    cluster = ClusterSpec.preset("h100x4")
+    result = octopipe.plan(costs, cluster, 8, time_limit_s=2.0, quiet=True)
+    check_result(result, costs, cluster)
+    assert result.report.cut_short and result.report.planning_seconds < 3.0
+
+
 def test_bad_arguments_fail_clearly():
     costs = heterogeneous(0, num_layers=3)
     cluster = ClusterSpec.preset("h100x4")
