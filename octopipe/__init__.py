@@ -11,6 +11,7 @@ from octopipe.errors import (
     ExecutionError,
     InfeasibleError,
     OctopipeError,
+    OctopipeWarning,
     ParseError,
     PlanError,
     TraceError,
@@ -26,7 +27,7 @@ __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
     "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "profiles", "trace", "runtime",
     "OctopipeError", "ArgumentError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
-    "InfeasibleError", "VerificationError", "ExecutionError",
+    "InfeasibleError", "VerificationError", "ExecutionError", "OctopipeWarning",
 ]
 
 

@@ -8,7 +8,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -548,6 +548,7 @@ def compile(
     seed: int = 0,
     quiet: bool = False,
     recompute: bool = True,
+    seq_dims: Mapping[str, int | None] | None = None,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -564,10 +565,12 @@ def compile(
     to get a core while both ranks compute) and receives match sends by tag, so they need not
     keep the order of the rank's own sends to that peer; and 1 on NCCL, where every posted
     receive holds a buffer and a pair's operations run in one order. recompute: whether the
-    search may make stages recompute their activations (see `plan`)."""
+    search may make stages recompute their activations (see `plan`). seq_dims: for analytic
+    costs, which dim of each input (by its name in the traced graph, `pipe.dump("graph")`) is the
+    sequence, or None for none (default: dim 1 of [b, s] integer and [b, s, d] inputs)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
-    from octopipe.passes.trace import trace
+    from octopipe.passes.trace import kept_buffers, trace
     from octopipe.passes.verify import verify
 
     seconds: dict[str, float] = {}
@@ -584,61 +587,104 @@ def compile(
         seconds[name] = time.perf_counter() - clock
         return value
 
-    if example_target is None:
-        example_target = _guess_target(model, inputs, loss_fn)
-    graph = timed("trace", lambda: trace(model, inputs, loss_fn=loss_fn, example_target=example_target,
-                                         split_points=split_points, leaf_modules=leaf_modules))
-    micro = microbatch(inputs, num_microbatches)
-    micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
-    table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target))
-    if len(table) != len(graph.layers):
-        raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
-                            f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
-    report = None
-    if plan is not None:
-        chosen = timed("plan", lambda: load_plan(plan))
-    elif schedule is not None:
-        chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
-                                                       num_devices=num_devices, partition=partition))
-    else:
-        result = timed("plan", lambda: _search(
-            table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
-            memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet,
-            recompute=recompute))
-        chosen, report = result.plan, result.report
-    if chosen.num_microbatches != num_microbatches:
-        raise PlanError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
-                        f"{num_microbatches}; plan again or pass the matching count")
-    chosen.validate(num_layers=len(graph.layers))
-    if chosen.num_devices > cluster.num_devices:
-        raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has {cluster.num_devices}")
-    simulation = timed("simulate", lambda: simulate(chosen, table, cluster))
-    stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target, num_microbatches=num_microbatches,
-                                              loss_fn=loss_fn, model=model, split_backward=split_backward,
-                                              compile=compile_stages))
-    links = links_of(stages)
-    if receive_ahead is None:
-        receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
-    elif not isinstance(receive_ahead, int) or isinstance(receive_ahead, bool) or receive_ahead < 0:
-        raise ArgumentError(f"compile: receive_ahead must be a non-negative integer (computes), got {receive_ahead!r}")
-    # gloo matches a receive to its send by tag: only receives from one peer need the send order
-    # among themselves, so (with the default) every receive is posted when the step starts
-    programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
-                                            serialized_pairs=cluster.backend != "gloo"))
-    timed("verify", lambda: verify(programs, chosen, links))
-    return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
+    # running the model below (the target's guess, shape propagation, codegen's example run) must
+    # leave its buffers as they were
+    with kept_buffers(model):
+        if example_target is None:
+            example_target = _guess_target(model, inputs, loss_fn)
+        graph = timed("trace", lambda: trace(model, inputs, loss_fn=loss_fn, example_target=example_target,
+                                             split_points=split_points, leaf_modules=leaf_modules))
+        if num_microbatches > 1:
+            _warn_per_microbatch_state(graph, num_microbatches)
+        micro = microbatch(inputs, num_microbatches)
+        micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
+        table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims))
+        if len(table) != len(graph.layers):
+            raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
+                                f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
+        report = None
+        if plan is not None:
+            chosen = timed("plan", lambda: load_plan(plan))
+        elif schedule is not None:
+            chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
+                                                           num_devices=num_devices, partition=partition))
+        else:
+            result = timed("plan", lambda: _search(
+                table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
+                memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet,
+                recompute=recompute))
+            chosen, report = result.plan, result.report
+        if chosen.num_microbatches != num_microbatches:
+            raise PlanError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
+                            f"{num_microbatches}; plan again or pass the matching count")
+        chosen.validate(num_layers=len(graph.layers))
+        if chosen.num_devices > cluster.num_devices:
+            raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has "
+                            f"{cluster.num_devices}")
+        simulation = timed("simulate", lambda: simulate(chosen, table, cluster))
+        stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
+                                                  num_microbatches=num_microbatches,
+                                                  loss_fn=loss_fn, model=model, split_backward=split_backward,
+                                                  compile=compile_stages))
+        links = links_of(stages)
+        if receive_ahead is None:
+            receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
+        elif not isinstance(receive_ahead, int) or isinstance(receive_ahead, bool) or receive_ahead < 0:
+            raise ArgumentError(f"compile: receive_ahead must be a non-negative integer (computes), got "
+                                f"{receive_ahead!r}")
+        # gloo matches a receive to its send by tag: only receives from one peer need the send order
+        # among themselves, so (with the default) every receive is posted when the step starts
+        programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
+                                                serialized_pairs=cluster.backend != "gloo"))
+        timed("verify", lambda: verify(programs, chosen, links))
+        return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
+
+
+_RUNNING_STATS = ("BatchNorm", "InstanceNorm", "SyncBatchNorm")
+
+
+def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
+    """Warn where the model's forward reads batch statistics or updates buffers: a pipeline runs
+    it once per microbatch, so it sees 1/num_microbatches of the batch and updates that many
+    times per step (as in every pipeline-parallel system, but not as in plain training)."""
+    import warnings
+
+    from octopipe.errors import OctopipeWarning
+
+    gm = graph.module
+    buffers = dict(gm.named_buffers())
+    stats, updated = [], []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if module.training and any(type(module).__name__.startswith(kind) for kind in _RUNNING_STATS):
+                stats.append(str(node.target))
+        elif node.op == "call_method" and str(node.target).endswith("_") and node.args:
+            first = node.args[0]
+            if getattr(first, "op", None) == "get_attr" and first.target in buffers:
+                updated.append(str(first.target))
+    if stats:
+        warnings.warn(f"compile: {', '.join(stats)} normalise with batch statistics in training mode: each pipeline "
+                      f"stage sees one microbatch (1/{num_microbatches} of the batch) at a time, so the loss and "
+                      "gradients differ from plain training and the running statistics update once per microbatch; "
+                      "use LayerNorm/GroupNorm, eval mode, or num_microbatches=1", OctopipeWarning, stacklevel=3)
+    if updated:
+        warnings.warn(f"compile: forward updates buffer(s) {', '.join(sorted(set(updated)))}: the pipeline runs it once "
+                      f"per microbatch ({num_microbatches} times a step, and again where a stage recomputes), not "
+                      "once per batch", OctopipeWarning, stacklevel=3)
 
 
 def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any]) -> Any:
     """A stand-in target batch when none is given: class indices shaped like the output without
     its last dimension (language models, classifiers), else a tensor shaped like the output."""
+    import warnings
+
     import torch
 
+    from octopipe.passes.trace import _primary_output
+
     with torch.no_grad():
-        output = model(*inputs)
-    output = getattr(output, "logits", output)
-    if isinstance(output, (tuple, list)):
-        output = output[0]
+        output = _primary_output(model(*inputs))
     candidates = []
     if isinstance(output, torch.Tensor) and output.dim() >= 1:
         candidates.append(torch.zeros(output.shape[:-1], dtype=torch.long, device=output.device))
@@ -646,7 +692,9 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
         candidates.append(torch.zeros_like(output))
     for candidate in candidates:
         try:
-            with torch.no_grad():
+            # a loss that only broadcasts the guess (mse_loss on [b] against [b, b]) warns: not it
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("error")
                 loss = loss_fn(output, candidate)
         except Exception:  # noqa: BLE001 - a wrong guess just moves on to the next one
             continue
@@ -658,14 +706,15 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
     )
 
 
-def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any) -> CostTable:
+def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,
+               seq_dims: Mapping[str, int | None] | None = None) -> CostTable:
     if isinstance(costs, CostTable):
         return costs
     if costs == "analytic":
         from octopipe.passes.costs import analytic_costs
 
         batch_size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "shape") and micro[0].dim() else 1
-        return analytic_costs(graph, cluster, batch_size=batch_size)
+        return analytic_costs(graph, cluster, batch_size=batch_size, seq_dims=seq_dims)
     if costs == "profile":
         from octopipe.passes.profile import profile_costs
 

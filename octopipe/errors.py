@@ -46,3 +46,8 @@ class VerificationError(OctopipeError):
 
 class ExecutionError(OctopipeError):
     """A pipeline step failed at run time (a peer died or stalled, a worker raised)."""
+
+
+class OctopipeWarning(UserWarning):
+    """Something runs, but not as a user of plain PyTorch might expect (for example a buffer
+    updated once per microbatch instead of once per batch)."""

@@ -202,3 +202,96 @@ def test_a_step_on_a_batch_unlike_the_example_is_refused_before_anything_runs():
     with pytest.raises(octopipe.ArgumentError, match=r"call step\(inputs, target\)"):
         engine.step(x, None)
     assert engine.step(x, y) > 0
+
+
+class _Counted(torch.nn.Module):
+    """A block that counts its forwards in a buffer, two ways, and reads the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(8))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.average = 0.5 * self.average + 0.5 * x.detach().mean(0)  # reassigned, as EMA code does
+        return torch.tanh(self.linear(x)) / self.calls
+
+
+def test_buffers_a_forward_updates_are_kept_and_compile_leaves_the_model_as_it_was():
+    # found by an API sweep: torch.fx ran `buffer.add_(1)` once on the real buffer while tracing
+    # and left it out of the graph (the pipeline never updated it: the loss drifted from plain
+    # training from the second step), `self.average = ...` was lost the same way, and compile's
+    # own example runs moved the model's buffers (a BatchNorm's running statistics) before any step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Counted(), _Counted())
+    plain = torch.nn.Sequential(_Counted(), _Counted())
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=1), example_inputs=(x,), example_target=y,
+                            loss_fn=torch.nn.functional.mse_loss, num_microbatches=1, schedule="1f1b")
+    assert model[0].calls.item() == 0 and not model[0].average.any()  # compile ran it, and undid that
+    engine = pipe.engine(0, device="cpu")
+    for _ in range(3):
+        assert engine.step((x,), y) == pytest.approx(torch.nn.functional.mse_loss(plain(x), y).item(), rel=1e-6)
+    assert model[1].calls.item() == plain[1].calls.item() == 3
+    torch.testing.assert_close(model[1].average, plain[1].average)
+    # with microbatches the forward runs once per microbatch: said at compile
+    norm = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8))
+    with pytest.warns(octopipe.OctopipeWarning) as caught:
+        octopipe.compile(torch.nn.Sequential(_Counted(), norm), CLUSTER, example_inputs=(x,), example_target=y,
+                         loss_fn=torch.nn.functional.mse_loss, num_microbatches=2, schedule="1f1b")
+    messages = " ".join(str(w.message) for w in caught)
+    assert "batch statistics" in messages and "once per microbatch" in messages
+    assert norm[1].num_batches_tracked.item() == 0
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.as_dict = as_dict
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return {"logits": x, "aux": x.sum()} if self.as_dict else (x, x.sum())
+
+
+def test_outputs_the_pipeline_cannot_pass_on_and_inputs_it_cannot_cut_are_refused():
+    # found by an API sweep: with a tuple output the loss silently read its first element (a
+    # loss_fn written for the tuple, out[0], took the first row), a loss_fn written for a dict
+    # failed with advice about control flow, a 0-d input and a batch-sized tensor held by loss_fn
+    # were raw IndexError / RuntimeError, and mse_loss without example_target had class indices
+    # guessed as its target (they broadcast when the features equal the batch)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    mse = torch.nn.functional.mse_loss
+    with pytest.raises(octopipe.TraceError, match="returns a tuple of 2 values"):
+        octopipe.compile(_TwoOutputs(), CLUSTER, example_inputs=(x,), example_target=y, num_microbatches=2,
+                         loss_fn=lambda out, t: mse(out[0], t), schedule="1f1b")
+    with pytest.raises(octopipe.TraceError, match=r"is given the tensor the model's output holds \(dict: its logits\)"):
+        octopipe.compile(_TwoOutputs(as_dict=True), CLUSTER, example_inputs=(x,), example_target=y, num_microbatches=2,
+                         loss_fn=lambda out, t: mse(out["logits"], t), schedule="1f1b")
+    with pytest.raises(octopipe.ArgumentError, match="batch tensor 1 is a 0-d tensor"):
+        octopipe.compile(_Scaled(), CLUSTER,
+                         example_inputs=(x, torch.tensor(2.0)), example_target=y, num_microbatches=2, loss_fn=mse,
+                         schedule="1f1b")
+    weights = torch.rand(8, 1)
+    with pytest.raises(octopipe.TraceError, match="loss_fn must not hold batch-sized tensors"):
+        octopipe.compile(_TwoOutputs(as_dict=True), CLUSTER, example_inputs=(x,), example_target=y, num_microbatches=2,
+                         loss_fn=lambda out, t: (weights * (out - t) ** 2).mean(), schedule="1f1b")
+    pipe = octopipe.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), CLUSTER,
+                            example_inputs=(x,), loss_fn=mse, num_microbatches=2, schedule="1f1b")
+    assert pipe.stages[-1].inputs[-1].spec.shape == (4, 8)  # the target: shaped like the output
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, scale):
+        for layer in self.layers:
+            x = layer(x) * scale
+        return x

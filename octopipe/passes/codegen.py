@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from octopipe.errors import PlanError, TraceError
+from octopipe.errors import ArgumentError, PlanError, TraceError
 from octopipe.ir.graph import LayerGraph
 from octopipe.ir.plan import PipelinePlan
 from octopipe.passes.split_backward import split_backward as split_backward_pass
@@ -48,6 +48,10 @@ def microbatch(batch: Sequence[Tensor], num_microbatches: int, index: int = 0) -
     """Microbatch `index` of a batch: each tensor cut along dim 0 into equal parts."""
     out = []
     for position, tensor in enumerate(batch):
+        if not isinstance(tensor, Tensor) or tensor.dim() == 0:
+            raise ArgumentError(f"batch tensor {position} is {_described(tensor)}: every input (and the target) is "
+                                "one batch cut along dim 0 into microbatches; make a scalar or constant a buffer or "
+                                "an attribute of the model instead")
         size = tensor.shape[0]
         if size % num_microbatches:
             raise PlanError(f"batch tensor {position} has {size} rows along dim 0, not divisible into "
@@ -55,6 +59,10 @@ def microbatch(batch: Sequence[Tensor], num_microbatches: int, index: int = 0) -
         part = size // num_microbatches
         out.append(tensor.narrow(0, index * part, part))
     return tuple(out)
+
+
+def _described(value: Any) -> str:
+    return "a 0-d tensor" if isinstance(value, Tensor) else f"a {type(value).__name__}, not a tensor"
 
 
 def _as_constant(value: Any, where: str) -> Any:
@@ -152,8 +160,17 @@ def codegen(
             values[node] = result
             return result
 
+    first = microbatch(batch, num_microbatches)
     with torch.enable_grad():
-        _Recorder(module).run(*microbatch(batch, num_microbatches))
+        try:
+            _Recorder(module).run(*first)
+        except Exception as exc:  # noqa: BLE001 - the model's own ops on one microbatch: say why they may fail
+            raise TraceError(
+                f"running one microbatch (every input cut along dim 0 into {num_microbatches}) failed: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0]}. Every input must carry the batch in dim 0 (an input "
+                "without one, like a [features] mask, would be cut too: fold it into the model as a buffer), and "
+                "loss_fn must not hold batch-sized tensors of its own (pass them as inputs or in the target)"
+            ) from exc
 
     # -- node -> stage ------------------------------------------------------------------------------
     stage_of_layer: dict[int, int] = {}

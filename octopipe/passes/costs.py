@@ -310,7 +310,8 @@ def _example_sizes(graph: LayerGraph, axes: Mapping[str, tuple[int | None, int |
     if len(batches) > 1 or len(seqs) > 1:
         raise OctopipeError(
             f"costs: the example inputs disagree on the batch {sorted(batches)} or sequence {sorted(seqs)} size; "
-            "pass seq_dims={input_name: dim or None} to say which input dims are the sequence"
+            "pass seq_dims={input_name: dim or None} (compile(..., seq_dims=...), analytic_costs(..., seq_dims=...)) "
+            "to say which input dims are the sequence"
         )
     return (batches.pop() if batches else 1), (seqs.pop() if seqs else None)
 

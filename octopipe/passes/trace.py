@@ -53,6 +53,7 @@ import io
 import keyword
 import linecache
 import logging
+import operator
 import os
 import sysconfig
 import traceback
@@ -98,6 +99,13 @@ def trace(
     `"layers.3.mlp"`) before which a layer boundary is forced. leaf_modules: module paths or
     classes kept as one `call_module` node (fx only). method: "auto" | "fx" | "export".
     """
+    with kept_buffers(model):
+        return _trace(model, example_inputs, loss_fn, example_target, split_points, leaf_modules, method)
+
+
+def _trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+           loss_fn: Callable[[Any, Any], torch.Tensor] | None, example_target: torch.Tensor | None,
+           split_points: Iterable[str], leaf_modules: Iterable[str | type[nn.Module]], method: str) -> LayerGraph:
     inputs = _check_inputs(model, example_inputs, loss_fn, example_target, method)
     root = _TraceRoot.build(model, len(inputs), loss_fn)
     leaf_paths, leaf_types = _leaf_spec(root, leaf_modules)
@@ -112,36 +120,66 @@ def trace(
         try:
             gm = _trace_fx(root, leaf_paths, leaf_types)
             used = "fx"
+        except TraceError:
+            raise  # the model's own output refused (_primary_output): no tracer does better
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one TraceError
             fx_failure = _Failure.of(exc, root, "torch.fx")
             if method == "fx":
-                raise _trace_error(model, [fx_failure], method) from None
+                raise _trace_error(model, [fx_failure], method, root) from None
     if gm is None:
         try:
             gm = _trace_export(root, args)
             used = "export"
         except Exception as exc:  # noqa: BLE001
             failures = [f for f in (fx_failure, _Failure.of(exc, root, "torch.export")) if f is not None]
-            raise _trace_error(model, failures, method) from None
+            raise _trace_error(model, failures, method, root) from None
     return _build_graph(model, root, gm, args, used, split_points)
+
+
+@contextlib.contextmanager
+def kept_buffers(model: nn.Module) -> Any:
+    """Undo what running `model` while compiling it (shape propagation, codegen's example run)
+    does to its buffers: running statistics, step counters. The user's model comes back as it
+    went in."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()  # (not a module: refused where it is used)
+    saved = [(module, name, buffer, buffer.detach().clone())
+             for module in modules for name, buffer in module._buffers.items() if buffer is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, value in saved:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
 
 
 # ---------------------------------------------------------------------------- the traced root
 
 
-def _primary_output(output: Any) -> Any:
-    """The tensor a loss reads: the output itself, `.logits` (Hugging Face ModelOutput), or the
-    first element of a tuple/list/dict."""
+def _primary_output(output: Any, reduced: list[str] | None = None) -> Any:
+    """The tensor a loss reads: the output itself, `.logits` (a Hugging Face ModelOutput, or a
+    dict's "logits"), or the only element of a one-element tuple, list or dict (`reduced` notes
+    which). A pipeline's last stage passes on one tensor: any other output would be dropped
+    silently, so a tuple, list or dict of several values without logits is refused."""
     if isinstance(output, (torch.Tensor, fx.Proxy)):
         return output
     logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
     if logits is not None:
-        return logits
-    if isinstance(output, (tuple, list)) and output:
-        return _primary_output(output[0])
-    if isinstance(output, dict) and output:
-        return _primary_output(next(iter(output.values())))
-    return output
+        how = "its logits"
+    elif isinstance(output, (tuple, list, dict)) and len(output) == 1:
+        logits, how = next(iter(output.values())) if isinstance(output, dict) else output[0], "its only element"
+    else:
+        count = f" of {len(output)} values" if isinstance(output, (tuple, list, dict)) else ""
+        raise TraceError(
+            f"trace: the model returns a {type(output).__name__}{count}; a pipeline's last stage passes on one "
+            "tensor, the one the loss reads, and the others (an auxiliary loss, hidden states) would be dropped. "
+            "Wrap the model so its forward returns that tensor (or add what the loss needs to it), or return an "
+            "object whose .logits is it")
+    if reduced is not None:
+        reduced.append(f"{type(output).__name__}: {how}")
+    return _primary_output(logits, reduced)
 
 
 class _LossModule(nn.Module):
@@ -173,7 +211,8 @@ class _TraceRoot(nn.Module):
         call_kwargs = {"use_cache": False} if _accepts(model.forward, "use_cache") else {}
         params = ", ".join(names)
         lines = [f"def forward(self, {params}{', ' + target_name if loss_name else ''}):"]
-        lines.append(f"    output = _primary_output(self._octopipe_model.forward({params}, **self._octopipe_kwargs))")
+        lines.append(f"    output = _primary_output(self._octopipe_model.forward({params}, **self._octopipe_kwargs), "
+                     "self._octopipe_reduced)")
         lines.append(f"    return self.{loss_name}(output, {target_name})" if loss_name else "    return output")
         namespace: dict[str, Any] = {"_primary_output": _primary_output}
         exec(compile("\n".join(lines), f"<octopipe trace root of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
@@ -187,6 +226,7 @@ class _TraceRoot(nn.Module):
         root.training = model.training
         object.__setattr__(root, "_octopipe_model", model)
         object.__setattr__(root, "_octopipe_kwargs", call_kwargs)
+        object.__setattr__(root, "_octopipe_reduced", [])  # what _primary_output took from a non-tensor output
         object.__setattr__(root, "input_names", names + ((target_name,) if loss_name else ()))
         object.__setattr__(root, "loss_name", loss_name)
         if loss_fn is not None:
@@ -283,6 +323,10 @@ def _did_you_mean(name: str, names: Iterable[str]) -> str:
 
 
 class _Tracer(fx.Tracer):
+    # a buffer is a graph value (get_attr), so what forward does to it (`self.steps.add_(1)`) is
+    # recorded, not run once on the real buffer while tracing and then lost
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_paths: frozenset[str], leaf_types: tuple[type, ...]) -> None:
         super().__init__()
         self.leaf_paths = leaf_paths
@@ -298,8 +342,33 @@ class _Tracer(fx.Tracer):
 
 def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[type, ...]) -> fx.GraphModule:
     tracer = _Tracer(leaf_paths, leaf_types)
-    graph = tracer.trace(root)
+    buffers = [(path, module, name, buffer) for path, module in root.named_modules()
+               for name, buffer in module._buffers.items()]
+    try:
+        graph = tracer.trace(root)
+    finally:
+        reassigned = _restore_buffers(buffers)
+    # `self.steps += 1` or `self.avg = 0.9 * self.avg + ...` on a buffer assigns it a new value:
+    # the graph writes it back into the buffer (copy_), as eager PyTorch's assignment would
+    for qualified, value in reassigned:
+        with graph.inserting_after(value.node):
+            target = graph.get_attr(qualified)
+        with graph.inserting_after(target):
+            graph.call_method("copy_", (target, value.node))
     return fx.GraphModule(root, graph, class_name=type(root._octopipe_model).__name__)
+
+
+def _restore_buffers(buffers: list[tuple[str, nn.Module, str, torch.Tensor | None]]) -> list[tuple[str, fx.Proxy]]:
+    """Put back buffers that tracing reassigned (to a Proxy), returning (qualified name, the
+    value assigned) for each."""
+    reassigned = []
+    for path, module, name, buffer in buffers:
+        value = module._buffers.get(name)
+        if value is not buffer:
+            module._buffers[name] = buffer
+            if isinstance(value, fx.Proxy):
+                reassigned.append((f"{path}.{name}" if path else name, value))
+    return reassigned
 
 
 def _trace_export(root: _TraceRoot, args: tuple[torch.Tensor, ...]) -> fx.GraphModule:
@@ -372,9 +441,13 @@ class _Failure:
         return f"{self.tracer} failed {where}{at}: {self.message}"
 
 
-def _trace_error(model: nn.Module, failures: list[_Failure], method: str) -> TraceError:
+def _trace_error(model: nn.Module, failures: list[_Failure], method: str, root: _TraceRoot) -> TraceError:
     """One TraceError for the user; the tracers' own exceptions stay on `.causes` for debugging."""
-    error = TraceError(_failure_message(model, failures, method))
+    message = _failure_message(model, failures, method)
+    if root.loss_name and root._octopipe_reduced and any(f.module == root.loss_name for f in failures):
+        message += (f"\nnote: loss_fn(output, target) is given the tensor the model's output holds "
+                    f"({root._octopipe_reduced[0]}), not the whole output: write it for that tensor")
+    error = TraceError(message)
     error.causes = tuple(failure.exception for failure in failures)  # type: ignore[attr-defined]
     return error
 
@@ -470,6 +543,27 @@ def _find_unit(path: str, units: set[str]) -> str | None:
 # ---------------------------------------------------------------------------- grouping
 
 
+def _mutates(node: fx.Node) -> bool:
+    """An in-place op (`buffer.add_(1)`, `x += 1` on a tensor, `copy_`): its result may go unused
+    while its effect (a step counter, running statistics) is what counts."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("i") and hasattr(operator, name)
+                                                                 and name[1:] in _BINARY_OPERATORS)
+
+
+_BINARY_OPERATORS = frozenset(("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor",
+                               "lshift", "rshift", "matmul"))
+
+
+def _keeps_effects(node: fx.Node) -> bool:
+    return node.is_impure() or _mutates(node)
+
+
 def _build_graph(
     model: nn.Module,
     root: _TraceRoot,
@@ -479,7 +573,7 @@ def _build_graph(
     split_points: tuple[str, ...],
 ) -> LayerGraph:
     graph = gm.graph
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=_keeps_effects)
     module_paths = dict(root.named_modules())
     loss_name = root.loss_name
     unit_list = _unit_paths(root, loss_name)
@@ -613,10 +707,13 @@ def _build_graph(
     except _NodeFailure as failure:
         layer = layer_of.get(failure.node)
         layer_name = "+".join(layer_units[layer]) if layer is not None else "inputs"
+        hint = "If this module branches on tensor values, mark it a leaf module and trace on real (not meta) tensors"
+        if layer_name == loss_name and root._octopipe_reduced:
+            hint = (f"loss_fn(output, target) is given the tensor the model's output holds "
+                    f"({root._octopipe_reduced[0]}), not the whole output: write it for that tensor")
         raise TraceError(
             f"trace: shape propagation failed at node {failure.node.name!r} ({failure.node.op} {_target_name(failure.node)}) "
-            f"in layer {layer_name!r}: {failure.message}. If this module branches on tensor values, mark it a leaf "
-            "module and trace on real (not meta) tensors"
+            f"in layer {layer_name!r}: {failure.message}. {hint}"
         ) from None
     for node in graph.nodes:
         node.meta["octopipe.value"] = values.get(node.name)

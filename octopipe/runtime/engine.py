@@ -38,6 +38,7 @@ on every rank; `load_into_model` / `load_optimizer_state` put a merged state int
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -106,6 +107,11 @@ class Engine:
         self.device = (torch.device(device) if device is not None
                        else first.device if first is not None and not first.is_meta else torch.device("cpu"))
         materialize(stages, self.device, init, rank)
+        self._random = {index: _stage_stream(index, self.device) for index in self.stages}
+        """Per stage: its own random state (CPU, and the GPU's on a GPU), from torch.initial_seed()
+        and the stage index, that its forwards draw from (dropout). One process-wide stream,
+        seeded alike on every rank, gave every rank's stages the same masks; these do not depend
+        on which rank holds a stage either."""
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
@@ -421,13 +427,29 @@ class Engine:
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
         slot = self._slot(index, m)
         slot.inputs = args
-        if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
-            slot.rng_state = (torch.get_rng_state(),
-                              torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-        with torch.set_grad_enabled(not stage.recompute):
-            slot.outputs = self._run(stage, args)
+        with self._stage_random(index):
+            if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
+                slot.rng_state = (torch.get_rng_state(),
+                                  torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+            with torch.set_grad_enabled(not stage.recompute):
+                slot.outputs = self._run(stage, args)
         if stage.is_loss:
             self._loss_sum += slot.outputs[0].detach().float()
+
+    @contextlib.contextmanager
+    def _stage_random(self, index: int) -> Iterator[None]:
+        """Run with stage `index`'s random state as the global one (kept for its next forward);
+        the process' own state is left as it was."""
+        cpu_state, cuda_state = self._random[index]
+        with torch.random.fork_rng(devices=[self.device] if cuda_state is not None else [], device_type="cuda"):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, self.device)
+            try:
+                yield
+            finally:
+                self._random[index] = (torch.get_rng_state(),
+                                       torch.cuda.get_rng_state(self.device) if cuda_state is not None else None)
 
     @staticmethod
     def _run(stage: StageModule, args: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -673,6 +695,14 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
     return merged
+
+
+def _stage_stream(index: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """Stage `index`'s initial random state (CPU; and `device`'s when it is a GPU)."""
+    seed = (torch.initial_seed() + 0x9E3779B97F4A7C15 * (index + 1)) % 2**63
+    cpu_state = torch.Generator().manual_seed(seed).get_state()
+    cuda_state = torch.Generator(device=device).manual_seed(seed).get_state() if device.type == "cuda" else None
+    return cpu_state, cuda_state
 
 
 def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -172,3 +172,49 @@ def test_single_process_engine_without_torch_distributed():
     assert engine.step(case.inputs, case.target) == pytest.approx(reference_loss, rel=1e-5)
     assert_grads_close(dict(engine.named_parameters()) and {n: p.grad for n, p in engine.named_parameters()},
                        reference_grads)
+
+
+class _DropoutBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x * self.scale, p=0.5, training=True)
+
+
+def _dropout_pipe(num_devices):
+    import octopipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_DropoutBlock(), _DropoutBlock())
+    x = torch.ones(4, 4096)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=num_devices), example_inputs=(x,),
+                            loss_fn=lambda out, target: out.mean(), example_target=torch.zeros(4), num_microbatches=2,
+                            schedule="1f1b" if num_devices == 2 else "interleaved-1f1b")  # two stages either way
+    assert pipe.plan.num_stages == 2
+    return pipe, x
+
+
+def _dropout_step(rank, world_size):
+    pipe, x = _dropout_pipe(world_size)
+    torch.manual_seed(0)  # every rank alike, as a launcher's workers start
+    engine = pipe.engine(rank)
+    loss = engine.step((x,), torch.zeros(4))
+    return loss, {n: p.grad.clone() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_each_stage_draws_its_own_dropout_masks_wherever_it_runs():
+    # every rank drew from one process-wide stream seeded alike, so two stages' dropout masks on
+    # two ranks were the same: two p=0.5 masks in a row kept half the entries, not a quarter
+    # (the loss, the mean of x * m0 * m1 with entries 0 or 2 each, came to about 2 instead of 1)
+    two = launch(_dropout_step, 2, timeout_s=90)
+    loss = two[-1][0]
+    assert abs(loss - 1.0) < 0.1
+    # each stage's stream depends on the seed and the stage alone: the same on one rank
+    one = _dropout_step(0, 1)
+    assert one[0] == pytest.approx(loss, rel=1e-6)
+    grads = {**two[0][1], **two[1][1]}
+    for name, grad in one[1].items():
+        torch.testing.assert_close(grad, grads[name])
