@@ -53,7 +53,6 @@ import io
 import keyword
 import linecache
 import logging
-import operator
 import os
 import sysconfig
 import traceback
@@ -441,12 +440,17 @@ class _Failure:
         return f"{self.tracer} failed {where}{at}: {self.message}"
 
 
+def _loss_reads(root: _TraceRoot) -> str:
+    """Why a loss_fn written for the model's whole output fails (see `_primary_output`)."""
+    return (f"loss_fn(output, target) is given the tensor the model's output holds ({root._octopipe_reduced[0]}), "
+            "not the whole output: write it for that tensor")
+
+
 def _trace_error(model: nn.Module, failures: list[_Failure], method: str, root: _TraceRoot) -> TraceError:
     """One TraceError for the user; the tracers' own exceptions stay on `.causes` for debugging."""
     message = _failure_message(model, failures, method)
     if root.loss_name and root._octopipe_reduced and any(f.module == root.loss_name for f in failures):
-        message += (f"\nnote: loss_fn(output, target) is given the tensor the model's output holds "
-                    f"({root._octopipe_reduced[0]}), not the whole output: write it for that tensor")
+        message += f"\nnote: {_loss_reads(root)}"
     error = TraceError(message)
     error.causes = tuple(failure.exception for failure in failures)  # type: ignore[attr-defined]
     return error
@@ -552,12 +556,12 @@ def _mutates(node: fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")
     else:
         return False
-    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("i") and hasattr(operator, name)
-                                                                 and name[1:] in _BINARY_OPERATORS)
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
 
 
-_BINARY_OPERATORS = frozenset(("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor",
-                               "lshift", "rshift", "matmul"))
+_IN_PLACE_OPERATORS = frozenset(("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                                 "ixor", "ilshift", "irshift", "imatmul"))
+"""operator.iadd and the like: what `x += y` on a traced tensor becomes."""
 
 
 def _keeps_effects(node: fx.Node) -> bool:
@@ -709,8 +713,7 @@ def _build_graph(
         layer_name = "+".join(layer_units[layer]) if layer is not None else "inputs"
         hint = "If this module branches on tensor values, mark it a leaf module and trace on real (not meta) tensors"
         if layer_name == loss_name and root._octopipe_reduced:
-            hint = (f"loss_fn(output, target) is given the tensor the model's output holds "
-                    f"({root._octopipe_reduced[0]}), not the whole output: write it for that tensor")
+            hint = _loss_reads(root)
         raise TraceError(
             f"trace: shape propagation failed at node {failure.node.name!r} ({failure.node.op} {_target_name(failure.node)}) "
             f"in layer {layer_name!r}: {failure.message}. {hint}"
