@@ -215,9 +215,19 @@ def codegen(
         if node in consumers:
             outputs_of[stage_of[node]].append(node)
 
+    # a crossing tensor carries a gradient only if the loss reaches it through differentiable ops
+    # (one that a later stage only reads detached gets none, as in plain backward: its producer's
+    # parameters keep grad None, not a zero gradient)
+    crossing = [n for n in consumers if values[n].requires_grad]
+    no_gradient: set[fx.Node] = set()
+    if crossing and values[final].requires_grad:
+        grads = torch.autograd.grad(values[final], [values[n] for n in crossing], allow_unused=True)
+        no_gradient = {n for n, g in zip(crossing, grads) if g is None}
+
     def spec(node: fx.Node, readers: tuple[int, ...] = ()) -> TensorSpec:
         value = values[node]
-        return TensorSpec(node.name, tuple(value.shape), value.dtype, bool(value.requires_grad), readers)
+        return TensorSpec(node.name, tuple(value.shape), value.dtype, bool(value.requires_grad) and node not in no_gradient,
+                          readers)
 
     output_specs = {s: tuple(spec(n, tuple(sorted(consumers[n]))) for n in outputs_of[s]) for s in outputs_of}
     output_index = {n: j for s in outputs_of for j, n in enumerate(outputs_of[s])}

@@ -218,3 +218,47 @@ def test_each_stage_draws_its_own_dropout_masks_wherever_it_runs():
     grads = {**two[0][1], **two[1][1]}
     for name, grad in one[1].items():
         torch.testing.assert_close(grad, grads[name])
+
+
+class _DetachedBlock(torch.nn.Module):
+    """Passes on its input detached plus a bias: only the bias gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)).detach() + self.linear.bias
+
+
+def _detached_grads(rank, world_size, schedule):
+    import octopipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_DetachedBlock() for _ in range(4)))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=2), example_inputs=(x,),
+                            example_target=y, loss_fn=torch.nn.functional.mse_loss, num_microbatches=2,
+                            schedule=schedule)
+    engine = pipe.engine(rank)
+    engine.step((x,), y)
+    return {name: None if p.grad is None else p.grad.clone() for name, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_tensor_the_next_stage_reads_detached_sends_no_gradient(schedule):
+    # found by an API sweep: its producer's parameters got a zero gradient where plain backward
+    # leaves None (AdamW's weight decay and momentum then move them)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_DetachedBlock() for _ in range(4)))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grads = {}
+    for rank_grads in launch(_detached_grads, 2, (schedule,), timeout_s=90):
+        grads.update(rank_grads)
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], param.grad)
