@@ -232,7 +232,7 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
     if not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
         raise ArgumentError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
     if num_devices > len(costs):
-        raise PlanError(
+        raise ArgumentError(
             f"plan: {num_devices} devices but the model has only {len(costs)} layers; every device needs at least one "
             f"layer: use num_devices <= {len(costs)}"
         )
@@ -615,7 +615,7 @@ def compile(
                 recompute=recompute))
             chosen, report = result.plan, result.report
         if chosen.num_microbatches != num_microbatches:
-            raise PlanError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
+            raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
                             f"{num_microbatches}; plan again or pass the matching count")
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:

@@ -97,6 +97,10 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
         from octopipe.api import load_plan
 
         saved = load_plan(plan_file)
+    if saved is not None and getattr(args, "devices", None) and args.devices != saved.num_devices:
+        from octopipe.errors import OctopipeError
+
+        raise OctopipeError(f"--devices {args.devices}: {plan_file} runs on {saved.num_devices} devices (drop the option)")
     if hasattr(args, "microbatches") and args.microbatches is None:
         args.microbatches = saved.num_microbatches if saved is not None else 4
     if hasattr(args, "nprocs"):
@@ -117,27 +121,33 @@ def _default_batch_size(microbatches: int) -> int:
 
 
 def _writable(path: str | None, option: str, directory: bool = False) -> None:
-    """Refuse an output path before any work: its folder must exist and be writable (a folder
-    option's path may be created, inside a writable one)."""
+    """Refuse an output path before any work: its folder must exist and take a file (a folder
+    option's path may be created, inside one that does). Tried with a file, not os.access, which
+    says yes to root everywhere (/proc)."""
+    import tempfile
+
     from octopipe.errors import OctopipeError
 
     if path is None:
         return
+    if not path:
+        raise OctopipeError(f"{option}: the path is empty")
     target = Path(path)
-    if directory:
-        if target.exists() and not target.is_dir():
-            raise OctopipeError(f"{option} {path}: exists and is not a folder; give a folder to write into")
-        parent = target
-        while not parent.exists():
-            parent = parent.parent
-    else:
-        if target.is_dir():
-            raise OctopipeError(f"{option} {path}: is a folder; give a file name")
-        parent = target.parent
-        if not parent.is_dir():
-            raise OctopipeError(f"{option} {path}: folder {parent} does not exist; create it or write elsewhere")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OctopipeError(f"{option} {path}: folder {parent} is not writable; write elsewhere")
+    if directory and target.exists() and not target.is_dir():
+        raise OctopipeError(f"{option} {path}: exists and is not a folder; give a folder to write into")
+    if not directory and target.is_dir():
+        raise OctopipeError(f"{option} {path}: is a folder; give a file name")
+    folder = target if directory else target.parent
+    while not folder.exists() and directory:
+        folder = folder.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist; create it or write elsewhere"
+        raise OctopipeError(f"{option} {path}: {folder} {what}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".octopipe-write-test-"):
+            pass
+    except OSError as exc:
+        raise OctopipeError(f"{option} {path}: cannot write in {folder} ({exc.strerror or exc}); write elsewhere") from None
 
 
 def _write_error(path: str, exc: OSError):
@@ -191,20 +201,20 @@ def _load_model(args: argparse.Namespace):
     if not module_name or not factory_name:
         raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or "
                             "module:factory (a module on the Python path and a function in it)")
-    if args.model_options:
-        raise OctopipeError(f"--model {spec}: {', '.join(args.model_options)} apply to the built-in models only; a "
-                            "factory makes its own model and batch (change them there)")
+    _factory_options(args)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: a factory module in the current folder
     try:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
         raise OctopipeError(f"--model {spec!r}: cannot import {factory_name} from {module_name}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed while importing
+        raise OctopipeError(f"--model {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from exc
     if not callable(factory):
         raise OctopipeError(f"--model {spec!r}: {factory_name} is a {type(factory).__name__}, not a function")
     try:
         made = factory()
-    except Exception as exc:  # noqa: BLE001 - the user's code: report it as theirs (OCTOPIPE_DEBUG=1 shows the traceback)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: report it as theirs (OCTOPIPE_DEBUG=1 shows the traceback)
         raise OctopipeError(f"--model {spec!r}: {factory_name}() raised {type(exc).__name__}: {exc}; the factory "
                             "takes no arguments and returns {'model': ..., 'inputs': ...}") from exc
     if not isinstance(made, dict) or "model" not in made or "inputs" not in made:
@@ -225,6 +235,15 @@ def _load_model(args: argparse.Namespace):
     if not callable(loss_fn):
         raise OctopipeError(f"--model {spec!r}: 'loss_fn' must be a function loss_fn(output, target), got {_kind(loss_fn)}")
     return made["model"], inputs, target, loss_fn
+
+
+def _factory_options(args: argparse.Namespace) -> None:
+    """A factory makes its own model and batch: a built-in model's options would be ignored."""
+    from octopipe.errors import OctopipeError
+
+    if args.model_options:
+        raise OctopipeError(f"--model {args.model}: {', '.join(args.model_options)} apply to the built-in models only; "
+                            "a factory makes its own model and batch (change them there)")
 
 
 def _kind(value: Any) -> str:
@@ -399,11 +418,12 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
 
     saved = load_saved_plan(path)
     plan_ = saved.plan
+    plan_.validate()  # (against the costs' layers in simulate)
     if args.microbatches is not None and args.microbatches != plan_.num_microbatches:
         raise OctopipeError(f"--microbatches {args.microbatches}: {path} runs {plan_.num_microbatches} microbatches; "
                             "a plan's microbatch count is its own (drop the option, or plan again)")
-    if args.devices is not None and args.devices < plan_.num_devices:
-        raise OctopipeError(f"--devices {args.devices}: {path} uses {plan_.num_devices} devices")
+    if args.devices is not None and args.devices != plan_.num_devices:
+        raise OctopipeError(f"--devices {args.devices}: {path} runs on {plan_.num_devices} devices (drop the option)")
     # a --model's costs are for one microbatch of this plan's count
     args = argparse.Namespace(**vars(args))
     args.microbatches = plan_.num_microbatches
@@ -416,7 +436,10 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
             print(f"note: {path} was planned on cluster {saved.cluster.name}; simulating it on {cluster.name} as asked",
                   file=sys.stderr)
     if cluster.num_devices < plan_.num_devices:
-        cluster = cluster.with_devices(plan_.num_devices)
+        if args.cluster is not None:
+            raise OctopipeError(f"--cluster {args.cluster}: {cluster.num_devices} devices, but {path} runs on "
+                                f"{plan_.num_devices}; give a cluster that has them")
+        cluster = cluster.with_devices(plan_.num_devices)  # the default preset, grown to the plan
     if args.costs or args.model:
         given = {} if given is None else given
         key = (cluster, args.microbatches) if args.model else None
@@ -483,6 +506,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.clip_grad is not None and not args.clip_grad > 0:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
+    if args.plan and args.schedule:
+        raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
+    planning_only = [flag for flag, given in (("--time-limit", args.time_limit is not None), ("--profile", args.profile))
+                     if given]
+    if (args.plan or args.schedule) and planning_only:
+        raise OctopipeError(f"train: {', '.join(planning_only)} apply when train plans; with "
+                            f"{'--plan' if args.plan else '--schedule'} nothing is planned")
     if args.torchrun:
         print(torchrun_command(args))
         return EXIT_OK
@@ -509,7 +539,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise OctopipeError(f"--init {args.init}: {exc}") from None
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
-                            plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
+                            plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
+                            quiet=args.quiet)
     print(pipe.dump("plan"))
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad)
@@ -554,7 +585,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if rank == 0:
         first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
                                  loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
-                                 schedule=args.schedule, time_limit_s=args.time_limit, quiet=args.quiet)
+                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, quiet=args.quiet)
         plan_text = [str(first.plan)]
     dist.broadcast_object_list(plan_text, src=0)
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
@@ -599,26 +630,44 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
 
 
 def torchrun_command(args: argparse.Namespace) -> str:
-    """The torchrun line that runs this training on a real cluster (one process per GPU)."""
-    nodes = max(1, -(-args.nprocs // 8))
-    per_node = min(args.nprocs, 8)
-    plan_arg = f" --plan {args.plan}" if args.plan else (f" --schedule {args.schedule}" if args.schedule else "")
-    plan_arg += f" --init {args.init}" if args.init else ""
-    plan_arg += "".join(f" --set {item}" for item in args.set or ())
-    plan_arg += f" --seq-len {args.seq_len}" if args.seq_len else ""
-    plan_arg += f" --cluster {args.cluster}" if args.cluster else ""
-    clip = f" --clip-grad {args.clip_grad}" if args.clip_grad is not None else ""
+    """The torchrun line that runs this training on a real cluster (one process per GPU), with
+    every option given (checked here as a local run would check them)."""
+    import shlex
+
+    from octopipe import models
+    from octopipe.errors import OctopipeError
+
+    if args.nprocs > 8 and args.nprocs % 8:
+        raise OctopipeError(f"--nprocs {args.nprocs}: torchrun starts as many processes on every node (of 8 GPUs); "
+                            "use 8 or fewer, or a multiple of 8")
+    builtin = args.model in models.MODEL_NAMES
+    if builtin:
+        _overrides(args.model, args.size, args.set)  # unknown fields and wrong types fail here, not on every rank
+    else:
+        _factory_options(args)
+    words = ["-m", "octopipe.cli", "train", "--model", args.model]
+    if builtin:
+        words += ["--size", args.size, "--batch-size", str(args.batch_size)]
+        words += [word for item in args.set or () for word in ("--set", item)]
+        words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+    for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
+                        ("--cluster", args.cluster), ("--time-limit", args.time_limit)):
+        if value is not None:
+            words += [flag, str(value)]
+    words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
+              "--optimizer", args.optimizer]
+    words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
+    words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
+    nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint $MASTER_ADDR:29500 -m octopipe.cli train --model {args.model} --size {args.size} "
-            f"--batch-size {args.batch_size}{plan_arg} --microbatches {args.microbatches} --steps {args.steps} "
-            f"--lr {args.lr} --optimizer {args.optimizer}{clip}")
+            f"--rdzv-endpoint $MASTER_ADDR:29500 {shlex.join(words)}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
     import octopipe
     from octopipe.errors import OctopipeError
 
-    if args.all and args.level:
+    if args.all is not None and args.level:
         raise OctopipeError("dump: --all writes every level; give --all DIR or --level LEVEL, not both")
     _writable(args.all, "--all", directory=True)
     cluster = _cluster(args, default="cpux2")
@@ -626,7 +675,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     schedule = args.schedule or (None if args.plan else "1f1b")  # a given plan, else 1F1B unless named
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=args.plan, schedule=schedule, quiet=True)
-    if args.all:
+    if args.all is not None:
         try:
             paths = pipe.dump_all(args.all)
         except OSError as exc:
@@ -710,7 +759,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
                         "built on the meta device (--size paper) is created from it on each rank (default there: "
                         "the built-in model's own initialization, drawn per rank)")
-    p.add_argument("--time-limit", type=_positive_float, default=10.0)
+    p.add_argument("--time-limit", type=_positive_float, default=None, help="planner seconds (default 10)")
     p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")
     p.add_argument("--quiet", action="store_true")

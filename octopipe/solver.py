@@ -74,6 +74,15 @@ BOUND_TICKS_PER_MS = 100
 partitioning search much harder and change the bound by microseconds); the proven lower bound
 subtracts the slack that rounding can hide, so it stays a true bound on the exact loads."""
 
+MAX_BOUND_TICKS = 10**6
+"""Coarser where a table's total load would pass this many ticks (seconds per layer: a paper-size
+model's analytic costs on a CPU cluster): the bounds' subset-sum bitsets are as long as the total."""
+
+
+def _bound_scale(values: Sequence[float]) -> float:
+    """Ticks per ms for the bounds of layer loads `values`."""
+    return min(float(BOUND_TICKS_PER_MS), MAX_BOUND_TICKS / max(sum(values), 1e-9))
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -127,7 +136,7 @@ def balance_bound(costs: CostTable, num_devices: int, *, node_budget: int = 200_
     optimal=False. `time_limit_s` is a wall-clock safety net with the same effect."""
     values = layer_loads(costs)
     num_layers = len(values)
-    scale = BOUND_TICKS_PER_MS
+    scale = _bound_scale(values)
     items = [int(round(v * scale)) for v in values]
     exact_ticks = all(abs(v * scale - t) < 1e-6 for v, t in zip(values, items))
     slack = 0.0
@@ -1303,7 +1312,7 @@ def release_bound(costs: CostTable, num_devices: int, num_microbatches: int, *, 
     on the balance bound where devices' loads are near it and late starts eat into them (many
     devices, few microbatches)."""
     values = layer_loads(costs)
-    scale = BOUND_TICKS_PER_MS
+    scale = _bound_scale(values)
     m, p = num_microbatches, num_devices
     items = sorted((int(round(v * scale)) for v in values), reverse=True)
     forward_prefix = costs.prefix("forward")

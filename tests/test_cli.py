@@ -401,3 +401,52 @@ def test_simulate_prices_a_text_plan_at_its_own_microbatch_count_and_validates_i
     text.write_text("\n".join(lines) + "\n")
     assert "contiguously" in _error(["simulate", str(text), "--model", "gemma", "--cluster", "cpux2"], capsys,
                                     code=EXIT_INVALID_PLAN)
+
+
+def test_second_sweep_torchrun_lines_device_counts_and_import_failures(tmp_path, monkeypatch, capsys):
+    # found by a second CLI sweep after the fixes above
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "facts.py").write_text(FACTORIES)
+    (tmp_path / "boom.py").write_text("raise ValueError('import boom')\n")
+    (tmp_path / "leaves.py").write_text("import sys\nsys.exit(3)\n")
+    for module in ("facts", "boom", "leaves"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    # a module that fails while importing, or exits, is an error of its own (a traceback; exit 3)
+    assert "importing boom raised ValueError: import boom" in _error(["dump", "--model", "boom:f"], capsys)
+    assert "importing leaves raised SystemExit: 3" in _error(["dump", "--model", "leaves:f"], capsys)
+    # the torchrun line: a factory gets no built-in options, planning options travel, arguments
+    # are quoted, and what a local run refuses is refused here too
+    assert main(["train", "--model", "facts:good", "--torchrun", "--nprocs", "2", "--profile", "--time-limit", "5",
+                 "--quiet", "--init", "my ckpt.pt"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--size" not in line and "--batch-size" not in line
+    assert "--profile" in line and "--time-limit 5.0" in line and "--quiet" in line and "--init 'my ckpt.pt'" in line
+    assert "multiple of 8" in _error(["train", "--model", "llama", "--torchrun", "--nprocs", "12"], capsys)
+    assert "no config field 'bogus'" in _error(["train", "--model", "llama", "--torchrun", "--set", "bogus=1"], capsys)
+    assert "not both" in _error(["train", "--model", "llama", "--torchrun", "--plan", "p.json", "--schedule", "1f1b"],
+                                capsys)
+    assert "nothing is planned" in _error(["train", "--model", "llama", "--schedule", "1f1b", "--time-limit", "5"],
+                                          capsys)
+    # a plan on a cluster smaller than it, or with another device count, is refused, not grown or ignored
+    from octopipe import ClusterSpec, CostTable, LayerCost, schedules
+
+    table = CostTable(tuple(LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(8)))
+    four = tmp_path / "four.txt"
+    four.write_text(str(schedules.build("1f1b", table, ClusterSpec.preset("cpux4"), 2)))
+    table.save(tmp_path / "table.json")
+    costs = ["--costs", str(tmp_path / "table.json")]
+    assert "give a cluster that has them" in _error(["simulate", str(four), "--cluster", "cpux2", *costs], capsys)
+    assert "runs on 4 devices" in _error(["simulate", str(four), "--devices", "8", *costs], capsys)
+    assert "runs on 4 devices" in _error(["dump", "--model", "llama", "--plan", str(four), "--devices", "2"], capsys)
+    zero = tmp_path / "zero.txt"
+    zero.write_text(four.read_text().replace("microbatches=2", "microbatches=0", 1))
+    assert main(["simulate", str(zero), *costs]) == EXIT_INVALID_PLAN  # a ZeroDivisionError traceback before
+    assert "Traceback" not in capsys.readouterr().err
+    # os.access says yes to root everywhere: the output folder is tried with a file
+    assert "cannot write in /proc" in _error(["plan", *costs, "-o", "/proc/plan.json"], capsys)
+    assert "the path is empty" in _error(["dump", "--model", "llama", "--all", ""], capsys)
+    assert "is not a folder" in _error(["plan", *costs, "-o", str(tmp_path / "four.txt" / "p.json")], capsys)
+    # a batch that does not split is the argument's fault (exit 1), not an invalid plan (4)
+    assert "not divisible into 4" in _error(["dump", "--model", "llama", "--batch-size", "6", "--microbatches", "4"],
+                                            capsys)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import octopipe
-from octopipe import ClusterSpec, OctopipeError, PipelinePlan, PlanError, VerificationError, models
+from octopipe import ClusterSpec, OctopipeError, PipelinePlan, VerificationError, models
 from octopipe.ir.program import parse_programs
 from octopipe.passes.verify import verify
 from octopipe.runtime import launch
@@ -120,7 +120,7 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                             num_microbatches=4, schedule="1f1b")
     pipe.save(tmp_path / "four.json")
-    with pytest.raises(PlanError, match="plan has 4 microbatches but num_microbatches=2"):
+    with pytest.raises(octopipe.ArgumentError, match="plan has 4 microbatches but num_microbatches=2"):
         octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                          num_microbatches=2, plan=tmp_path / "four.json")
     with pytest.raises(OctopipeError, match="rank must be in 0..1"):

@@ -212,7 +212,7 @@ def test_the_time_limit_holds_while_candidate_structures_are_built():
 def test_bad_arguments_fail_clearly():
     costs = heterogeneous(0, num_layers=3)
     cluster = ClusterSpec.preset("h100x4")
-    with pytest.raises(octopipe.PlanError, match="num_devices"):
+    with pytest.raises(octopipe.ArgumentError, match="num_devices"):
         octopipe.plan(costs, cluster, 4, quiet=True)  # 4 devices, 3 layers
     with pytest.raises(octopipe.ArgumentError, match="num_microbatches"):
         octopipe.plan(costs, cluster.with_devices(2), 0, quiet=True)

@@ -44,6 +44,10 @@ DEFAULT_WEIGHT_FRACTION = 0.5
 """W's share of a layer's backward when a table does not say: input- and weight-gradient matmuls
 cost the same (the zero-bubble papers' F = B = W assumption for transformer blocks)."""
 
+MAX_LAYER_MS = 1e9
+"""A layer's time per microbatch is at most this (11.6 days): the solvers' integer times must fit
+64 bits."""
+
 _TIME_FIELDS = ("forward_ms", "backward_ms")
 _OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms")
 _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
@@ -504,8 +508,9 @@ def _check_layer(layer: LayerCost, where: str) -> None:
         value = getattr(layer, key)
         if value is None and key in _OPTIONAL_TIME_FIELDS:
             continue
-        if not _is_number(value) or value < 0:
-            raise CostTableError(f"{where}: field {key!r} must be a non-negative number of milliseconds, got {value!r}")
+        if not _is_number(value) or not 0 <= value <= MAX_LAYER_MS:
+            raise CostTableError(f"{where}: field {key!r} must be a number of milliseconds in [0, {MAX_LAYER_MS:.0e}] "
+                                 f"(per layer and microbatch), got {value!r}")
     if layer.backward_weight_ms is not None and layer.backward_weight_ms > layer.backward_ms:
         raise CostTableError(
             f"{where}: backward_weight_ms={layer.backward_weight_ms} exceeds backward_ms={layer.backward_ms}; "

@@ -54,7 +54,7 @@ def microbatch(batch: Sequence[Tensor], num_microbatches: int, index: int = 0) -
                                 "an attribute of the model instead")
         size = tensor.shape[0]
         if size % num_microbatches:
-            raise PlanError(f"batch tensor {position} has {size} rows along dim 0, not divisible into "
+            raise ArgumentError(f"batch tensor {position} has {size} rows along dim 0, not divisible into "
                             f"{num_microbatches} equal microbatches; use a batch size that is a multiple of it")
         part = size // num_microbatches
         out.append(tensor.narrow(0, index * part, part))

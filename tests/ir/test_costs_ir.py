@@ -136,11 +136,15 @@ GOOD = {"name": "l0", "kind": "block", "forward_ms": 1.0, "backward_ms": 2.0}
         ({"layers": [GOOD, {"name": "l1", "backward_ms": 1}]}, r"layer 1 \('l1'\): missing field 'forward_ms'"),
         (
             {"layers": [{**GOOD, "forward_ms": -1}]},
-            r"layer 0 \('l0'\): field 'forward_ms' must be a non-negative number",
+            r"layer 0 \('l0'\): field 'forward_ms' must be a number of milliseconds in",
+        ),
+        (  # found by a CLI sweep: 1e20 overflowed the solvers' integer times
+            {"layers": [{**GOOD, "forward_ms": 1e20}]},
+            r"layer 0 \('l0'\): field 'forward_ms' must be a number of milliseconds in \[0, 1e\+09\]",
         ),
         (
             {"layers": [{**GOOD, "forward_ms": "fast"}]},
-            r"layer 0 \('l0'\): field 'forward_ms' must be a non-negative number",
+            r"layer 0 \('l0'\): field 'forward_ms' must be a number of milliseconds in",
         ),
         (
             {"layers": [{**GOOD, "backward_weight_ms": 3.0}]},
@@ -215,7 +219,7 @@ def test_a_measured_full_backward_replaces_b_plus_w_only_for_ops_that_run_them_t
     assert table.backward_input == (1.2, 1.2) and table.weight == (0.8, 0.8)
     assert CostTable.parse(str(table)) == table
     assert CostTable.from_dict(table.to_dict()) == table
-    with pytest.raises(CostTableError, match=r"layer 0 \('l0'\): field 'backward_full_ms' must be a non-negative"):
+    with pytest.raises(CostTableError, match=r"layer 0 \('l0'\): field 'backward_full_ms' must be a number of milliseconds in"):
         CostTable.from_dict({"layers": [{**GOOD, "backward_full_ms": -1.0}]})
 
 

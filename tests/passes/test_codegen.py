@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from octopipe import PipelinePlan, PlanError
+from octopipe import ArgumentError, PipelinePlan, PlanError
 from octopipe.passes.codegen import codegen, links_of, microbatch, stages_on, tied_parameters
 from octopipe.runtime.stage import StageModule
 
@@ -116,7 +116,7 @@ def test_errors_name_the_fix():
     model, inputs, target, loss_fn = build_model("llama")
     graph = layer_graph(model, inputs, loss_fn, target)
     plan = schedule_plan("1f1b", 2, 3, len(graph.layers))
-    with pytest.raises(PlanError, match="not divisible into 3 equal microbatches"):
+    with pytest.raises(ArgumentError, match="not divisible into 3 equal microbatches"):
         codegen(graph, plan, inputs, target)
     short = schedule_plan("1f1b", 2, 2, len(graph.layers) - 1)
     with pytest.raises(PlanError, match="layers"):
