@@ -498,15 +498,18 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     context = json.loads(text).get(PLANNED_WITH)
     if context is None:
         return SavedPlan(plan_)
-    if not isinstance(context, dict):
+    if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms"}:
         raise ParseError(f"{path}: '{PLANNED_WITH}' must be an object with cluster, costs, iteration_ms; got "
-                         f"{type(context).__name__}")
+                         f"{context!r:.200}")
     costs = CostTable.from_dict(context["costs"], source=f"{path} ({PLANNED_WITH}.costs)") if "costs" in context else None
     cluster = (ClusterSpec.from_dict(context["cluster"], where=f"{path} ({PLANNED_WITH}.cluster)")
                if "cluster" in context else None)
     iteration_ms = context.get("iteration_ms")
     if iteration_ms is not None and not isinstance(iteration_ms, (int, float)):
         raise ParseError(f"{path}: {PLANNED_WITH}.iteration_ms must be a number, got {iteration_ms!r}")
+    if cluster is not None and cluster.num_devices < plan_.num_devices:
+        raise ParseError(f"{path}: the plan runs on {plan_.num_devices} devices but its {PLANNED_WITH}.cluster has "
+                         f"{cluster.num_devices}; the file was edited by hand? Save it again with octopipe plan -o")
     if costs is not None and len(costs) != plan_.num_layers:
         raise ParseError(f"{path}: the plan covers {plan_.num_layers} layers but its {PLANNED_WITH}.costs has "
                          f"{len(costs)}; the file was edited by hand? Save it again with octopipe plan -o")
@@ -521,7 +524,11 @@ def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:
         text = path.read_text()
     except OSError as exc:
         raise OctopipeError(f"{path}: cannot read plan: {exc.strerror}") from None
-    return PipelinePlan.from_json(text) if text.lstrip().startswith("{") else PipelinePlan.parse(text)
+    is_json = path.suffix == ".json" or text.lstrip().startswith("{")
+    try:
+        return PipelinePlan.from_json(text) if is_json else PipelinePlan.parse(text)
+    except ParseError as exc:
+        raise ParseError(f"{path}: {exc}") from None
 
 
 def compile(

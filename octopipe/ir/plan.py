@@ -293,14 +293,32 @@ class PipelinePlan:
 
     @classmethod
     def from_dict(cls, data: Any) -> PipelinePlan:
+        """The JSON form: keys num_devices, num_microbatches, stages [{layers: [start, end],
+        device, optional recompute}], device_ops; anything else (but `planned_with`, what
+        `octopipe plan -o` stores beside it) is refused, and numbers must be integers."""
+        expected = ("expected keys num_devices, num_microbatches, stages[{layers, device, optional recompute}], "
+                    "device_ops")
+        if not isinstance(data, dict):
+            raise ParseError(f"plan JSON is a {type(data).__name__}, not an object; {expected}")
+        unknown = sorted(set(data) - {"num_devices", "num_microbatches", "stages", "device_ops", "planned_with"})
+        if unknown:
+            raise ParseError(f"plan JSON has unknown key(s) {unknown}; {expected}")
         try:
-            stages = tuple(Stage(i, int(s["layers"][0]), int(s["layers"][1]), int(s["device"]), _flag(s.get("recompute", False)))
-                           for i, s in enumerate(data["stages"]))
+            stages = []
+            for i, raw in enumerate(data["stages"]):
+                where = f"plan JSON stage {i}"
+                if not isinstance(raw, dict) or sorted(set(raw) - {"recompute"}) != ["device", "layers"]:
+                    raise ParseError(f"{where}: expected {{layers: [start, end], device, optional recompute}}, got {raw!r}")
+                if not isinstance(raw["layers"], list) or len(raw["layers"]) != 2:
+                    raise ParseError(f"{where}: layers must be [start, end], got {raw['layers']!r}")
+                start, end = (_integer(value, f"{where} layers") for value in raw["layers"])
+                stages.append(Stage(i, start, end, _integer(raw["device"], f"{where} device"),
+                                    _flag(raw.get("recompute", False))))
             device_ops = tuple(tuple(Op.parse(op) for op in ops) for ops in data["device_ops"])
-            return cls(int(data["num_devices"]), int(data["num_microbatches"]), stages, device_ops)
+            return cls(_integer(data["num_devices"], "plan JSON num_devices"),
+                       _integer(data["num_microbatches"], "plan JSON num_microbatches"), tuple(stages), device_ops)
         except (KeyError, TypeError, IndexError, ValueError) as exc:
-            raise ParseError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); expected keys num_devices, "
-                             "num_microbatches, stages[{layers, device, optional recompute}], device_ops") from None
+            raise ParseError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); {expected}") from None
 
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:
@@ -358,6 +376,12 @@ class PipelinePlan:
         if sorted(placement) != list(range(num_stages)):
             raise ParseError(f"torch CSV has stages {sorted(placement)} but the partition has {num_stages} stages")
         return cls.build(num_microbatches, partition, [placement[s] for s in range(num_stages)], device_ops)
+
+
+def _integer(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParseError(f"{where} must be an integer, got {value!r}")
+    return value
 
 
 def _flag(value: Any) -> bool:

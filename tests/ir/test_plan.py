@@ -121,3 +121,33 @@ def test_render_grid_is_device_columns_step_rows():
     assert lines[0].split() == ["step", "device", "0", "device", "1"]
     assert "[1F0]" in lines[1] and lines[1].endswith("<-- ERROR HERE (device 1)")
     assert lines[2].split() == ["1", "0B0"]
+
+
+def test_a_hand_edited_json_plan_is_refused_not_coerced(tmp_path):
+    # found by a CLI sweep: int() truncated 1.5 to 1, a third boundary was dropped, "1" and 2.0
+    # were taken as numbers and unknown keys were ignored
+    import json
+
+    from octopipe.api import load_plan
+
+    good = {"num_devices": 2, "num_microbatches": 1, "stages": [{"layers": [0, 1], "device": 0},
+                                                                 {"layers": [1, 2], "device": 1}],
+            "device_ops": [["0F0", "0B0"], ["1F0", "1B0"]]}
+    assert PipelinePlan.from_dict(good).num_stages == 2
+    for change, expected in (
+        (lambda d: d["stages"][0].update(layers=[0, 1.5]), "layers must be an integer, got 1.5"),
+        (lambda d: d["stages"][0].update(layers=[0, 1, 2]), r"layers must be \[start, end\]"),
+        (lambda d: d["stages"][1].update(device="1"), "device must be an integer, got '1'"),
+        (lambda d: d.update(num_microbatches=1.0), "num_microbatches must be an integer, got 1.0"),
+        (lambda d: d.update(colour="red"), r"unknown key\(s\) \['colour'\]"),
+        (lambda d: d["stages"][0].update(dev=0), "stage 0: expected"),
+    ):
+        data = json.loads(json.dumps(good))
+        change(data)
+        with pytest.raises(ParseError, match=expected):
+            PipelinePlan.from_dict(data)
+    # a .json file that is not JSON says so (it was read as the text form)
+    path = tmp_path / "plan.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ParseError, match=r"plan.json: plan JSON is a list"):
+        load_plan(path)
