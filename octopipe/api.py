@@ -623,12 +623,12 @@ def compile(
             chosen, report = result.plan, result.report
         if chosen.num_microbatches != num_microbatches:
             raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
-                            f"{num_microbatches}; plan again or pass the matching count")
+                                f"{num_microbatches}; plan again or pass the matching count")
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:
             raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has "
                             f"{cluster.num_devices}")
-        simulation = timed("simulate", lambda: simulate(chosen, table, cluster))
+        simulation = timed("simulate", lambda: simulate(chosen, table, cluster, validated=True))  # checked above
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,
                                                   loss_fn=loss_fn, model=model, split_backward=split_backward,

@@ -714,7 +714,7 @@ def refine_order(
         cut_short = cut_short or wall_hit
         if full:
             last_bound = bound
-        sim = simulate(candidate, costs, cluster, memory=memory)
+        sim = simulate(candidate, costs, cluster, memory=memory, validated=True)
         fits = activation_budget is None or all(
             a <= b * (1 + 1e-9) for a, b in zip(sim.peak_activation_bytes, activation_budget))
         if fits and sim.iteration_ms < best_time - 1e-9:

@@ -966,7 +966,7 @@ def _order_moves(search: _Search, start: Candidate, max_rounds: int = 200) -> No
     for _ in range(max_rounds):
         if search.exhausted():
             return
-        result = simulate(current.plan, search.costs, search.cluster, memory=search.memory)
+        result = simulate(current.plan, search.costs, search.cluster, memory=search.memory, validated=True)
         gaps = []
         for device, ops in enumerate(current.plan.device_ops):
             for index in range(1, len(ops)):

@@ -55,7 +55,7 @@ def microbatch(batch: Sequence[Tensor], num_microbatches: int, index: int = 0) -
         size = tensor.shape[0]
         if size % num_microbatches:
             raise ArgumentError(f"batch tensor {position} has {size} rows along dim 0, not divisible into "
-                            f"{num_microbatches} equal microbatches; use a batch size that is a multiple of it")
+                                f"{num_microbatches} equal microbatches; use a batch size that is a multiple of it")
         part = size // num_microbatches
         out.append(tensor.narrow(0, index * part, part))
     return tuple(out)
