@@ -400,6 +400,8 @@ class Pipeline:
     report: PlanReport | None = None
     simulation: SimResult | None = None
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    loss_weight: Callable[[Any], Any] | None = None
+    """compile's `loss_weight`, given to every engine."""
 
     @property
     def world_size(self) -> int:
@@ -407,12 +409,14 @@ class Pipeline:
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
-        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init: see there)."""
+        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight: see
+        there; loss_weight defaults to compile's)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.engine import Engine
 
         if not 0 <= rank < self.world_size:
             raise OctopipeError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
+        options.setdefault("loss_weight", self.loss_weight)
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, rank), self.programs[rank],
                       self.num_microbatches, **options)
 
@@ -556,6 +560,7 @@ def compile(
     quiet: bool = False,
     recompute: bool = True,
     seq_dims: Mapping[str, int | None] | None = None,
+    loss_weight: Callable[[Any], Any] | None = None,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -574,7 +579,12 @@ def compile(
     receive holds a buffer and a pair's operations run in one order. recompute: whether the
     search may make stages recompute their activations (see `plan`). seq_dims: for analytic
     costs, which dim of each input (by its name in the traced graph, `pipe.dump("graph")`) is the
-    sequence, or None for none (default: dim 1 of [b, s] integer and [b, s, d] inputs)."""
+    sequence, or None for none (default: dim 1 of [b, s] integer and [b, s, d] inputs).
+    loss_weight(target microbatch) -> count: weigh each microbatch's loss by its share of the
+    batch's count instead of equally; with a token-mean loss_fn and the count of tokens it
+    averages (`lambda t: (t != -100).sum()` for cross_entropy's ignore_index), the step's loss and
+    gradients are the token mean over the whole batch, as in plain training (Megatron's
+    per-token loss). Computed from the target on the loss stage's rank each step."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, trace
@@ -605,6 +615,8 @@ def compile(
             _warn_per_microbatch_state(graph, num_microbatches)
         micro = microbatch(inputs, num_microbatches)
         micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
+        if loss_weight is not None:
+            _check_loss_weight(loss_weight, example_target, num_microbatches)
         table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims))
         if len(table) != len(graph.layers):
             raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
@@ -644,7 +656,24 @@ def compile(
         programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
-        return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds)
+        return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds,
+                        loss_weight)
+
+
+def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:
+    """`loss_weight` is a function that gives each example target microbatch a count (their sum
+    may be 0 here: an example target need not hold real tokens)."""
+    import torch
+
+    from octopipe.runtime.engine import microbatch_counts
+
+    where = "compile(loss_weight=...)"
+    if not callable(loss_weight):
+        raise ArgumentError(f"{where}: must be a function of the target microbatch, got {type(loss_weight).__name__}")
+    if not isinstance(example_target, torch.Tensor):
+        raise ArgumentError(f"{where}: weighs microbatches by their target, but the loss has no target tensor "
+                            f"(example_target is {type(example_target).__name__}); drop loss_weight")
+    microbatch_counts(loss_weight, example_target, num_microbatches, where)
 
 
 _RUNNING_STATS = ("BatchNorm", "InstanceNorm", "SyncBatchNorm")

@@ -51,6 +51,7 @@ __all__ = [
     "example_target",
     "init_module",
     "lm_loss",
+    "lm_tokens",
 ]
 
 _FAMILIES: dict[str, tuple[type[ModelConfig], type[nn.Module]]] = {
@@ -128,5 +129,12 @@ def example_target(
 
 
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
-    """Mean cross entropy over every token: logits [.., vocab], target [..] of class ids."""
+    """Mean cross entropy over every token: logits [.., vocab], target [..] of class ids (those
+    equal to -100, cross_entropy's ignore_index, are left out)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def lm_tokens(target: Tensor) -> Tensor:
+    """The tokens `lm_loss` averages over (those not -100): its `compile(loss_weight=...)`, which
+    makes a padded batch's pipelined loss the token mean of plain training."""
+    return (target != -100).sum()

@@ -1,7 +1,7 @@
 """Engine: runs one rank's RankProgram over its StageModules, one training iteration per `step`.
 
 Consumes the rank's `StageModule`s (runtime/stage.py) and its `RankProgram` (ir/program.py);
-produces the mean loss (on every rank) and the gradients in `.grad` of this rank's parameters.
+produces the loss (on every rank) and the gradients in `.grad` of this rank's parameters.
 Nothing here imports from passes/: the program and the stages are all it needs.
 
 Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
@@ -11,8 +11,8 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   beside compute (gloo's threads on CPU, a communication stream on GPU);
 - same-rank stage hand-offs are local: the consumer gets a detached leaf of the producer's output;
 - every stage's inputs are leaves, so each stage's backward is separate: B (`backward` or
-  `backward_input`) backpropagates its outputs' gradients (the loss stage: loss / num_microbatches)
-  into parameters and input leaves, whose gradients go to the producers; `backward_input` opens a
+  `backward_input`) backpropagates its outputs' gradients (the loss stage: the microbatch's weight,
+  1 / num_microbatches or its share of `loss_weight`, see `Engine`) into parameters and input leaves, whose gradients go to the producers; `backward_input` opens a
   `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
   a microbatch's activations are dropped as soon as its last backward op on the stage ran;
 - a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
@@ -22,7 +22,7 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
 - `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
   it (a process group per tied rank set, created collectively in the constructor);
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
-  the mean loss over microbatches.
+  the microbatch losses' weighted sum (their mean, without `loss_weight`).
 
 Gradients accumulate into `.grad` like `loss.backward()`; call `zero_grad()` (or
 `optimizer_step()`, which steps the attached optimizer and zeroes) between iterations.
@@ -55,6 +55,41 @@ from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materi
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
 
 
+def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
+    """`loss_weight` of each target microbatch, checked to be a finite count >= 0. `where` starts
+    the error messages."""
+    counts = []
+    for m, chunk in enumerate(target.chunk(count)):
+        try:
+            value = loss_weight(chunk)
+        except Exception as exc:  # noqa: BLE001 - the user's function: say where it failed
+            raise ArgumentError(f"{where}: loss_weight failed on microbatch {m}'s target: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ArgumentError(f"{where}: loss_weight must return a number (or a one-element tensor) for a target "
+                                f"microbatch, got {type(value).__name__} for microbatch {m}; return e.g. "
+                                "(target != ignore_index).sum()")
+        if not 0 <= value < float("inf"):
+            raise ArgumentError(f"{where}: loss_weight returned {value} for microbatch {m}; weights are counts, "
+                                "finite and >= 0")
+        counts.append(float(value))
+    return counts
+
+
+def microbatch_weights(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
+    """Each microbatch's weight in the step's loss: its `loss_weight` count over the batch's. A
+    token-mean loss weighted so is the token mean over the whole batch (each microbatch's mean
+    times its share of the tokens)."""
+    counts = microbatch_counts(loss_weight, target, count, where)
+    total = sum(counts)
+    if total <= 0:
+        raise ArgumentError(f"{where}: loss_weight is 0 on every microbatch of this batch ({count}), so no "
+                            "microbatch's loss counts (every token ignored?); skip such a batch")
+    return [value / total for value in counts]
+
+
 class _Slot:
     """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients; a recompute stage's
     RNG state at F."""
@@ -85,12 +120,16 @@ class Engine:
         device: torch.device | str | None = None,
         optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         init: Init | None = None,
+        loss_weight: Callable[[Tensor], Any] | None = None,
     ) -> None:
         """`device`: where this rank runs; its stage modules are moved there (in place: build one
         engine per process). A model built on the meta device is created there instead, from
         `init` (a checkpoint path or state dict by the model's names, a function run on each
         submodule, or "reset"; see `runtime/materialize.py`); `init` on a real model loads or
-        re-initializes it the same way."""
+        re-initializes it the same way. `loss_weight(target microbatch) -> count`: each
+        microbatch's loss weighs its count's share of the batch's (a token loss's real tokens, say),
+        so that the step computes a token mean over the whole batch; default: every microbatch
+        weighs the same (see `microbatch_weights`)."""
         if program.rank != rank or program.num_ranks != world_size:
             raise ExecutionError(f"rank {rank}: program is for rank {program.rank} of {program.num_ranks}, "
                                  f"engine is rank {rank} of {world_size}")
@@ -98,6 +137,10 @@ class Engine:
         self.world_size = world_size
         self.program = program
         self.num_microbatches = num_microbatches
+        if loss_weight is not None and not callable(loss_weight):
+            raise ArgumentError(f"rank {rank}: Engine(loss_weight=...) must be a function of the target microbatch, "
+                                f"got {type(loss_weight).__name__}")
+        self.loss_weight = loss_weight
         self.stages = {stage.index: stage for stage in stages}
         for instruction in program.instructions:
             if instruction.stage is not None and instruction.stage not in self.stages:
@@ -293,7 +336,8 @@ class Engine:
 
     # -- one iteration ---------------------------------------------------------------------------------
     def step(self, inputs: Sequence[Tensor], target: Tensor | None = None) -> float:
-        """Run the program on one full batch (cut along dim 0 into microbatches): the mean loss."""
+        """Run the program on one full batch (cut along dim 0 into microbatches): the loss, the mean
+        of the microbatches' (weighted by `loss_weight` where given)."""
         batch = (*inputs, target) if target is not None else tuple(inputs)
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
@@ -307,7 +351,12 @@ class Engine:
         self._reductions: list[Pending] = []
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self._loss: float = float("nan")
-        self._scale = 1.0 / count
+        self._weights = [1.0 / count] * count
+        if self.loss_weight is not None and any(stage.is_loss for stage in self.stages.values()):
+            if target is None:
+                raise ArgumentError(f"rank {self.rank}: step(): this engine weighs microbatches by loss_weight(target) "
+                                    "but got no target: call step(inputs, target)")
+            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: step()")
         # a tied gradient is all-reduced: set aside what earlier steps accumulated, so only this
         # step's contributions are summed across ranks (added back at `step`)
         self._tied_earlier = {}
@@ -433,8 +482,8 @@ class Engine:
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
             with torch.set_grad_enabled(not stage.recompute):
                 slot.outputs = self._run(stage, args)
-        if stage.is_loss:
-            self._loss_sum += slot.outputs[0].detach().float()
+        if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
+            self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
 
     @contextlib.contextmanager
     def _stage_random(self, index: int) -> Iterator[None]:
@@ -495,7 +544,7 @@ class Engine:
         grads: list[Tensor] = []
         if stage.is_loss:
             tensors.append(slot.outputs[0])
-            grads.append(torch.full_like(slot.outputs[0], self._scale))
+            grads.append(torch.full_like(slot.outputs[0], self._weights[m]))
         else:
             for j, spec in enumerate(stage.outputs):
                 grad = slot.output_grads[j]
@@ -565,7 +614,7 @@ class Engine:
         if self._inbox:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: {len(self._inbox)} received messages were never "
                                  f"used: {sorted(self._inbox)}")
-        loss = self._loss_sum * self._scale
+        loss = self._loss_sum
         if self.world_size > 1 and dist.is_initialized():
             self.transport.finish(self.transport.all_reduce(loss, self._where(i)))
         self._loss = float(loss)
