@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -385,7 +386,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     _writable(args.output, "-o")
     cluster = _cluster(args)
+    started = time.perf_counter()
     costs, _ = _costs_from(args, cluster)
+    if args.model and not args.quiet:
+        how = "profiled" if args.profile else "costed"
+        print(f"note: traced and {how} {args.model} in {time.perf_counter() - started:.1f}s, before the search "
+              "(--time-limit bounds the search)", file=sys.stderr)
     limit: float | str | None = args.activation_limit
     if isinstance(limit, float):
         limit *= 2**30
@@ -704,7 +710,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_costs_options(p)
     _add_cluster_options(p)
     p.add_argument("--microbatches", type=_positive_int, default=16)
-    p.add_argument("--time-limit", type=_positive_float, default=30.0, help="seconds for the whole search")
+    p.add_argument("--time-limit", type=_positive_float, default=30.0,
+                   help="seconds for the search (after a --model is traced and costed)")
     p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
                    help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
     p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GiB", help="device memory (default: the cluster's)")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -450,3 +451,11 @@ def test_second_sweep_torchrun_lines_device_counts_and_import_failures(tmp_path,
     # a batch that does not split is the argument's fault (exit 1), not an invalid plan (4)
     assert "not divisible into 4" in _error(["dump", "--model", "llama", "--batch-size", "6", "--microbatches", "4"],
                                             capsys)
+
+
+def test_plan_says_how_long_tracing_and_costing_took_outside_the_time_limit(capsys):
+    # --time-limit bounds the search; a paper-size model takes seconds to trace and cost before it
+    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+                 "--no-solver"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert re.search(r"traced and costed gemma in \d+\.\ds, before the search \(--time-limit bounds the search\)", err)
