@@ -4,8 +4,10 @@ built-in schedule with the uniform split its users write, on heterogeneous model
 For each model (Gemma-style head-heavy, DeepSeek-style dense+MoE, Nemotron-H-style hybrid, and a
 ViT + cross-attention multimodal model; CPU-sized configs), 2 processes (gloo, 1 thread each):
 
-- OctoPipe: profile the layers on this machine, measure the link, `octopipe.plan` (20 s), compile,
-  run with `Engine`;
+- OctoPipe: profile the layers on this machine, measure the link, `octopipe.plan` (20 s), compile
+  its plan and up to two runners-up (`PlanResult.runners_up`: the fastest plans of other shapes,
+  predicted within 10%), run each with `Engine`; the fastest measured is ours, as torch's fastest
+  measured schedule is theirs (the planner's own choice is the last column);
 - torch: hand-cut stage modules with the blocks split uniformly (embedding/vision encoder with the
   first blocks, norm + head with the last, as the torch.distributed.pipelining tutorials do) under
   every built-in schedule it has for 2 ranks (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
@@ -19,12 +21,13 @@ the median of the measured steps, throughput in tokens/s, OctoPipe's speedup ove
 torch schedule (ratio of medians), and the same speedup taken round by round (torch's step over
 ours in the same round: median and middle half), which shows how far the noise moves it.
 
-    python benchmarks/e2e_vs_torch.py [--steps 8] [--warmup 1] [--no-rewarm] [--models gemma,deepseek,...]
+    python benchmarks/e2e_vs_torch.py [--steps 8] [--warmup 1] [--no-rewarm] [--candidates 3] [--models gemma,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -120,18 +123,18 @@ def _torch_schedules(model: nn.Module, name: str, rank: int, world_size: int, nu
     return built
 
 
-def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int, rewarm: bool = True) -> dict:
+def worker(rank: int, world_size: int, name: str, pipes, steps: int, warmup: int, rewarm: bool = True) -> dict:
     torch.manual_seed(0)
     model, inputs, target = _data(name)
-    # the compiled pipeline shares parameters with its own copy of the model; torch's chunks use `model`
-    engine = pipe.engine(rank)
-    schedules = _torch_schedules(model, name, rank, world_size, pipe.num_microbatches)
+    # the compiled pipelines share parameters with their own copy of the model; torch's chunks use `model`
+    engines = [pipe.engine(rank) for pipe in pipes]
+    schedules = _torch_schedules(model, name, rank, world_size, pipes[0].num_microbatches)
 
-    def run_ours() -> None:
+    def run_ours(engine) -> None:
         engine.step(inputs, target)
         engine.zero_grad()
 
-    runs = {"octopipe": run_ours}
+    runs = {_ours(index): functools.partial(run_ours, engine) for index, engine in enumerate(engines)}
     for class_name, entry in schedules.items():
         if isinstance(entry, str):
             continue
@@ -167,6 +170,10 @@ def worker(rank: int, world_size: int, name: str, pipe, steps: int, warmup: int,
     return {"times": times, "failed": failed}
 
 
+def _ours(index: int) -> str:
+    return "octopipe" if index == 0 else f"octopipe runner-up {index}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -175,6 +182,8 @@ def main() -> None:
                         help="time each run's first step of its turn (memory it left cold, see bench.measure_many)")
     parser.add_argument("--models", default=",".join(CONFIGS))
     parser.add_argument("--time-limit", type=float, default=20.0, help="planner seconds per model")
+    parser.add_argument("--candidates", type=int, default=3,
+                        help="OctoPipe plans measured: the planner's choice and its runners-up (PlanResult.runners_up)")
     parser.add_argument("--microbatches", type=int, default=NUM_MICROBATCHES,
                         help=f"microbatches of the batch of {BATCH_SIZE} (a divisor of it)")
     args = parser.parse_args()
@@ -184,8 +193,9 @@ def main() -> None:
     print(f"2 ranks, gloo, CPU, 1 thread each; link {calibrated.latency_s * 1e6:.0f} us, "
           f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s; batch {BATCH_SIZE}, {num_microbatches} microbatches; "
           f"median of {args.steps} steps after {args.warmup} warm-up (a step = the slowest rank)")
-    header = f"{'model':<11} {'octopipe ms':>11} {'best torch schedule':<30} {'torch ms':>9} {'tokens/s ours':>13} " \
-             f"{'tokens/s torch':>14} {'speedup':>8}  per-step pairs: median (middle half)"
+    header = f"{'model':<11} {'octopipe ms':>11} {'plans':>5} {'best torch schedule':<30} {'torch ms':>9} " \
+             f"{'tokens/s ours':>13} {'tokens/s torch':>14} {'speedup':>8}  per-step pairs: median (middle half)  " \
+             f"{'planner choice':>14}"
     lines = []
     for name in args.models.split(","):
         model, inputs, target = _data(name)
@@ -193,27 +203,34 @@ def main() -> None:
                                   op_overhead_ms=calibrated.op_overhead_ms, rewarm=not args.no_rewarm)
         costs, cluster = profile.costs, profile.calibrate(calibrated)
         result = octopipe.plan(costs, cluster, num_microbatches, time_limit_s=args.time_limit, quiet=True)
-        pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                num_microbatches=num_microbatches, costs=costs, plan=result.plan)
-        per_rank = launch(worker, 2, (name, pipe, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600)
+        candidates = [result.plan, *result.runners_up][:args.candidates]
+        pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                                  num_microbatches=num_microbatches, costs=costs, plan=plan) for plan in candidates]
+        per_rank = launch(worker, 2, (name, pipes, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600)
         steps_of = {}
         for key, times in per_rank[0]["times"].items():
             if times:
                 steps_of[key] = StepTiming(tuple(max(r["times"][key][k] for r in per_rank) * 1e3
                                                  for k in range(len(times))), ())
         medians = {key: timing.median_ms for key, timing in steps_of.items()}
-        ours = medians.pop("octopipe")
+        mine = {_ours(index): medians.pop(_ours(index)) for index in range(len(pipes)) if _ours(index) in medians}
+        fastest = min(mine, key=mine.get)
+        ours = mine[fastest]
         best = min(medians, key=medians.get)
-        paired = paired_speedup(steps_of["octopipe"], steps_of[best])
+        paired = paired_speedup(steps_of[fastest], steps_of[best])
         tokens = BATCH_SIZE * inputs[-1].shape[1]
-        print(f"\n{name}: plan {result.plan.num_stages} stages, placement {result.plan.placement}, predicted "
-              f"{result.report.iteration_ms:.0f} ms; torch per schedule: "
+        print(f"\n{name}: torch per schedule: "
               + ", ".join(f"{k.removeprefix('Schedule')} {v:.0f}" for k, v in sorted(medians.items(), key=lambda kv: kv[1])))
+        for index, plan in enumerate(candidates):
+            predicted = octopipe.simulate(plan, costs, cluster).iteration_ms
+            print(f"  {_ours(index)}: {plan.num_stages} stages, placement {plan.placement}, predicted {predicted:.0f} ms, "
+                  f"measured {mine.get(_ours(index), float('nan')):.0f} ms{' (fastest)' if _ours(index) == fastest else ''}")
         for key, why in per_rank[0]["failed"].items():
-            print(f"  torch {key}: {why}")
-        lines.append(f"{name:<11} {ours:>11.1f} {best.removeprefix('Schedule'):<30} {medians[best]:>9.1f} "
+            print(f"  {key}: {why}")
+        choice = mine.get("octopipe", float("nan"))
+        lines.append(f"{name:<11} {ours:>11.1f} {len(mine):>5} {best.removeprefix('Schedule'):<30} {medians[best]:>9.1f} "
                      f"{tokens / ours * 1e3:>13.0f} {tokens / medians[best] * 1e3:>14.0f} {medians[best] / ours:>7.3f}x  "
-                     f"{paired.median:.3f}x ({paired.low:.3f}x-{paired.high:.3f}x)")
+                     f"{paired.median:.3f}x ({paired.low:.3f}x-{paired.high:.3f}x)  {medians[best] / choice:>13.3f}x")
     print()
     print(header)
     for line in lines:

@@ -26,6 +26,12 @@ from octopipe.tuner import Policy, Structure, list_schedule, tune
 GiB = 2**30
 
 
+RUNNER_UP_MARGIN = 0.10
+"""How much slower than the chosen plan (predicted) a runner-up may be: about the simulator's
+largest error measured on CPU (benchmarks/fidelity.py)."""
+MAX_RUNNERS_UP = 3
+
+
 @dataclass
 class PlanResult:
     plan: PipelinePlan
@@ -33,6 +39,11 @@ class PlanResult:
     simulation: SimResult
     costs: CostTable | None = None
     """The cost table it was planned on."""
+    runners_up: tuple[PipelinePlan, ...] = ()
+    """Up to three more plans of other shapes (stage count, placement, recomputation) that fit
+    the limits, predicted within RUNNER_UP_MARGIN of `plan`, fastest first: where the simulator's
+    error is as large as their difference, measure them beside `plan` and keep the fastest
+    (`octopipe.bench.measure_many`, `octopipe train --candidates`)."""
 
     def __str__(self) -> str:
         return str(self.report)
@@ -200,7 +211,9 @@ def plan(
                      f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
                      f"{min_gain:.1%}")
         report.chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
-    return PlanResult(best_plan, report, final, costs)
+    runners_up = tuple(c.plan for c in tuned.runners_up
+                       if c.iteration_ms <= final.iteration_ms * (1 + RUNNER_UP_MARGIN))[:MAX_RUNNERS_UP]
+    return PlanResult(best_plan, report, final, costs, runners_up)
 
 
 _search = plan  # compile()'s `plan` argument shadows the function
@@ -402,6 +415,9 @@ class Pipeline:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     loss_weight: Callable[[Any], Any] | None = None
     """compile's `loss_weight`, given to every engine."""
+    runners_up: tuple[PipelinePlan, ...] = ()
+    """The planner's runners-up (`PlanResult.runners_up`) when compile planned; compile one with
+    `compile(..., plan=p, costs=pipe.costs)` to measure it beside this plan."""
 
     @property
     def world_size(self) -> int:
@@ -622,6 +638,7 @@ def compile(
             raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
                                 f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
         report = None
+        runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
             chosen = timed("plan", lambda: load_plan(plan))
         elif schedule is not None:
@@ -632,7 +649,7 @@ def compile(
                 table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
                 memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet,
                 recompute=recompute))
-            chosen, report = result.plan, result.report
+            chosen, report, runners_up = result.plan, result.report, result.runners_up
         if chosen.num_microbatches != num_microbatches:
             raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
                                 f"{num_microbatches}; plan again or pass the matching count")
@@ -657,7 +674,7 @@ def compile(
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
         return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds,
-                        loss_weight)
+                        loss_weight, runners_up)
 
 
 def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:

@@ -514,11 +514,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
-    planning_only = [flag for flag, given in (("--time-limit", args.time_limit is not None), ("--profile", args.profile))
-                     if given]
+    planning_only = [flag for flag, given in (("--time-limit", args.time_limit is not None), ("--profile", args.profile),
+                                              ("--candidates", args.candidates > 1)) if given]
     if (args.plan or args.schedule) and planning_only:
         raise OctopipeError(f"train: {', '.join(planning_only)} apply when train plans; with "
                             f"{'--plan' if args.plan else '--schedule'} nothing is planned")
+    if args.candidates > 1 and (args.torchrun or "RANK" in os.environ):
+        raise OctopipeError("train --candidates: plans are measured against each other on local processes; for a "
+                            "cluster, measure them there one by one (octopipe plan, then train --plan FILE)")
     if args.torchrun:
         print(torchrun_command(args))
         return EXIT_OK
@@ -547,6 +550,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
                             quiet=args.quiet)
+    if args.candidates > 1:
+        pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad)
@@ -555,6 +560,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     return EXIT_OK
+
+
+def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: Any, target: Any, loss_fn: Any) -> Any:
+    """The fastest, measured on these processes, of the planner's plan and its runners-up
+    (`--candidates` in all), each run for a few steps in turn without updating the model."""
+    import octopipe
+    from octopipe.bench import measure_many
+
+    plans = [pipe.plan, *pipe.runners_up][:args.candidates]
+    if len(plans) == 1:
+        print("note: the planner found no runner-up within 10% of its plan; nothing else to measure", file=sys.stderr)
+        return pipe
+    pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                                       num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True)
+                      for plan in plans[1:]]
+    timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
+    fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
+    print(f"measured {len(pipes)} plans, {CANDIDATE_STEPS} steps each (no update):")
+    for index, (candidate, timing) in enumerate(zip(pipes, timings)):
+        label = "the planner's plan" if index == 0 else f"runner-up {index}"
+        print(f"  {label:<20} {candidate.plan.num_stages:>3} stages, placement {list(candidate.plan.placement)}: "
+              f"predicted {candidate.simulation.iteration_ms:8.1f} ms, measured {timing.median_ms:8.1f} ms"
+              f"{'  <- fastest, trained' if index == fastest else ''}")
+    return pipes[fastest]
+
+
+CANDIDATE_STEPS = 3
+"""Steps each candidate plan runs in `train --candidates` (after one warm-up step)."""
 
 
 def _train_distributed(args: argparse.Namespace) -> int:
@@ -762,6 +795,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
+    p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
+                   help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
+                        "for a few steps each, and train with the fastest")
     p.add_argument("--init", metavar="CHECKPOINT", default=None,
                    help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
                         "built on the meta device (--size paper) is created from it on each rank (default there: "

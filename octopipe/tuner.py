@@ -442,6 +442,13 @@ def _policy_neighbours(policy: Policy) -> list[Policy]:
 
 # -- search state ---------------------------------------------------------------------------------
 
+def _shape(structure: Structure) -> tuple:
+    """What tells plans apart for measured selection: the stage count, the stage-to-device map
+    and which stages recompute. Plans of one shape differ in where the stage boundaries fall and
+    in their op order, by less than a measurement on a busy machine can tell."""
+    return (structure.num_stages, tuple(structure.placement), structure.recompute)
+
+
 @dataclass(frozen=True)
 class Candidate:
     plan: PipelinePlan
@@ -475,6 +482,9 @@ class TuneResult:
     """The wall-clock limit stopped the search before its work budget did."""
     seconds: float = 0.0
     structures: int = 0
+    runners_up: tuple[Candidate, ...] = ()
+    """The fastest plan found of each other shape (stage count, placement, recomputation) that
+    fits the limits, fastest first: alternatives for measured selection (`PlanResult.runners_up`)."""
 
 
 class _Search:
@@ -501,6 +511,8 @@ class _Search:
         self.work = 0
         self.cut_short = False
         self.best: Candidate | None = None
+        self.best_of_shape: dict[tuple, Candidate] = {}
+        """The fastest feasible candidate of each shape (see `shape`)."""
         self.history: list[tuple[float, float, str]] = []
         self.scheduled: dict[tuple[Structure, Policy], Candidate | None] = {}
         self.seen_orders: set[int] = set()
@@ -551,6 +563,11 @@ class _Search:
         peak_activation = tuple(max(0.0, total - fixed) for total, fixed in zip(peak_memory, static))
         candidate = Candidate(plan, ms, peak_activation, peak_memory, self.overshoot(peak_activation, peak_memory),
                               origin, structure, policy)
+        if candidate.feasible:
+            shape = _shape(structure)
+            known = self.best_of_shape.get(shape)
+            if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
+                self.best_of_shape[shape] = candidate
         if candidate.feasible and (self.best is None or candidate.iteration_ms < self.best.iteration_ms - 1e-9):
             self.best = candidate
             elapsed = time.perf_counter() - self.started
@@ -840,8 +857,10 @@ def tune(
         _order_moves(search, search.best)
     if search.best is None:
         raise PlanError("the tuner found no plan that fits the memory limits")
+    winner = _shape(search.best.structure)
+    others = sorted((c for shape, c in search.best_of_shape.items() if shape != winner), key=lambda c: c.iteration_ms)
     return TuneResult(search.best, search.history, search.evaluations, search.work, search.cut_short,
-                      time.perf_counter() - started, len(unique))
+                      time.perf_counter() - started, len(unique), tuple(others))
 
 
 def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Candidate:

@@ -459,3 +459,24 @@ def test_plan_says_how_long_tracing_and_costing_took_outside_the_time_limit(caps
                  "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
     assert re.search(r"traced and costed gemma in \d+\.\ds, before the search \(--time-limit bounds the search\)", err)
+
+
+@pytest.mark.timeout(240)
+def test_train_candidates_measures_the_runners_up_and_trains_the_fastest_unchanged(capsys):
+    argv = ["train", "--model", "deepseek", "--steps", "2", "--time-limit", "3", "--quiet"]
+    assert main(argv) == EXIT_OK
+    alone = capsys.readouterr().out
+    assert main([*argv, "--candidates", "3"]) == EXIT_OK
+    out = capsys.readouterr().out
+    measured = re.findall(r"^  (the planner's plan|runner-up \d) .* measured +([\d.]+) ms", out, re.MULTILINE)
+    assert measured[0][0] == "the planner's plan" and 2 <= len(measured) <= 3
+    assert out.count("<- fastest, trained") == 1
+    # measuring did not update the model: the first trained step's loss is the same as without it
+    first = [float(re.search(r"^step 0: loss ([\d.]+)", text, re.MULTILINE).group(1)) for text in (alone, out)]
+    assert first[0] == pytest.approx(first[1], abs=1e-5)
+
+
+def test_train_candidates_needs_a_search_on_local_processes(capsys):
+    for extra in (["--schedule", "1f1b"], ["--torchrun"]):
+        assert main(["train", "--model", "gemma", "--candidates", "2", *extra]) == EXIT_ERROR
+        assert "--candidates" in capsys.readouterr().err

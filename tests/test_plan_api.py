@@ -288,3 +288,25 @@ def test_lower_bound_never_exceeds_the_plan(layers, m):
     result = octopipe.plan(CostTable(layers), ClusterSpec(num_devices=2, latency_s=0.0), m, time_limit_s=5,
                            effort=0.1, quiet=True)
     assert result.report.lower_bound_ms <= result.report.iteration_ms + 1e-9
+
+
+def test_runners_up_are_other_shapes_that_fit_within_the_margin():
+    from octopipe.api import MAX_RUNNERS_UP, RUNNER_UP_MARGIN
+
+    costs = heterogeneous(3, num_layers=12)
+    cluster = ClusterSpec.preset("h100x4")
+    result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
+    assert 1 <= len(result.runners_up) <= MAX_RUNNERS_UP
+    limit = result.report.activation_limit_bytes
+    shapes = {(result.plan.num_stages, result.plan.placement, result.plan.recompute)}
+    previous = 0.0
+    for plan in result.runners_up:
+        plan.validate(len(costs))
+        sim = simulate(plan, costs, cluster)
+        assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
+        assert result.simulation.iteration_ms - 1e-9 <= sim.iteration_ms <= result.simulation.iteration_ms * (1 + RUNNER_UP_MARGIN)
+        assert sim.iteration_ms >= previous - 1e-9  # fastest first
+        previous = sim.iteration_ms
+        shape = (plan.num_stages, plan.placement, plan.recompute)
+        assert shape not in shapes
+        shapes.add(shape)
