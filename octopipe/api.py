@@ -21,7 +21,7 @@ from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
 from octopipe.solver import balance_bound, input_gradients, refine_order, release_bound
-from octopipe.tuner import Policy, Structure, list_schedule, tune
+from octopipe.tuner import Policy, Structure, list_schedule, plan_shape, tune
 
 GiB = 2**30
 
@@ -178,7 +178,7 @@ def plan(
         stage_seconds["solver"] = time.perf_counter() - clock
 
     # 5. report
-    final = simulate(best_plan, costs, cluster, memory=memory)
+    final = searched = simulate(best_plan, costs, cluster, memory=memory)
     rows = [_row(name, "baseline", sim, activation_budget, memory_limit) for name, sim in baseline_sims.items()]
     rows.append(_row("octopipe tuner", "tuner", simulate(tuned.best.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
     if refinement is not None:
@@ -211,9 +211,23 @@ def plan(
                      f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
                      f"{min_gain:.1%}")
         report.chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
-    runners_up = tuple(c.plan for c in tuned.runners_up
-                       if c.iteration_ms <= final.iteration_ms * (1 + RUNNER_UP_MARGIN))[:MAX_RUNNERS_UP]
-    return PlanResult(best_plan, report, final, costs, runners_up)
+    return PlanResult(best_plan, report, final, costs, _runners_up(tuned, searched, best_plan, final.iteration_ms))
+
+
+def _runners_up(tuned: Any, searched: SimResult, chosen: PipelinePlan, chosen_ms: float) -> tuple[PipelinePlan, ...]:
+    """The fastest plans of other shapes than `chosen` within RUNNER_UP_MARGIN of it: the
+    tuner's, and the searched plan itself where min_gain returned a baseline instead."""
+    pool = [(c.iteration_ms, c.plan) for c in tuned.runners_up]
+    if searched.plan is not chosen:
+        pool.append((searched.iteration_ms, searched.plan))
+    taken = {plan_shape(Structure.of(chosen))}
+    found = []
+    for ms, candidate in sorted(pool, key=lambda pair: pair[0]):
+        shape = plan_shape(Structure.of(candidate))
+        if ms <= chosen_ms * (1 + RUNNER_UP_MARGIN) and shape not in taken:
+            taken.add(shape)
+            found.append(candidate)
+    return tuple(found[:MAX_RUNNERS_UP])
 
 
 _search = plan  # compile()'s `plan` argument shadows the function

@@ -442,7 +442,7 @@ def _policy_neighbours(policy: Policy) -> list[Policy]:
 
 # -- search state ---------------------------------------------------------------------------------
 
-def _shape(structure: Structure) -> tuple:
+def plan_shape(structure: Structure) -> tuple:
     """What tells plans apart for measured selection: the stage count, the stage-to-device map
     and which stages recompute. Plans of one shape differ in where the stage boundaries fall and
     in their op order, by less than a measurement on a busy machine can tell."""
@@ -512,7 +512,7 @@ class _Search:
         self.cut_short = False
         self.best: Candidate | None = None
         self.best_of_shape: dict[tuple, Candidate] = {}
-        """The fastest feasible candidate of each shape (see `shape`)."""
+        """The fastest feasible candidate of each shape (see `plan_shape`)."""
         self.history: list[tuple[float, float, str]] = []
         self.scheduled: dict[tuple[Structure, Policy], Candidate | None] = {}
         self.seen_orders: set[int] = set()
@@ -564,7 +564,7 @@ class _Search:
         candidate = Candidate(plan, ms, peak_activation, peak_memory, self.overshoot(peak_activation, peak_memory),
                               origin, structure, policy)
         if candidate.feasible:
-            shape = _shape(structure)
+            shape = plan_shape(structure)
             known = self.best_of_shape.get(shape)
             if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
                 self.best_of_shape[shape] = candidate
@@ -857,7 +857,7 @@ def tune(
         _order_moves(search, search.best)
     if search.best is None:
         raise PlanError("the tuner found no plan that fits the memory limits")
-    winner = _shape(search.best.structure)
+    winner = plan_shape(search.best.structure)
     others = sorted((c for shape, c in search.best_of_shape.items() if shape != winner), key=lambda c: c.iteration_ms)
     return TuneResult(search.best, search.history, search.evaluations, search.work, search.cut_short,
                       time.perf_counter() - started, len(unique), tuple(others))

@@ -11,8 +11,9 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   beside compute (gloo's threads on CPU, a communication stream on GPU);
 - same-rank stage hand-offs are local: the consumer gets a detached leaf of the producer's output;
 - every stage's inputs are leaves, so each stage's backward is separate: B (`backward` or
-  `backward_input`) backpropagates its outputs' gradients (the loss stage: the microbatch's weight,
-  1 / num_microbatches or its share of `loss_weight`, see `Engine`) into parameters and input leaves, whose gradients go to the producers; `backward_input` opens a
+  `backward_input`) backpropagates its outputs' gradients (the loss stage: the microbatch's
+  weight, 1 / num_microbatches or its share of `loss_weight`, see `Engine`) into parameters and
+  input leaves, whose gradients go to the producers; `backward_input` opens a
   `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
   a microbatch's activations are dropped as soon as its last backward op on the stage ran;
 - a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
