@@ -443,10 +443,20 @@ def _policy_neighbours(policy: Policy) -> list[Policy]:
 # -- search state ---------------------------------------------------------------------------------
 
 def plan_shape(structure: Structure) -> tuple:
-    """What tells plans apart for measured selection: the stage count, the stage-to-device map
-    and which stages recompute. Plans of one shape differ in where the stage boundaries fall and
-    in their op order, by less than a measurement on a busy machine can tell."""
-    return (structure.num_stages, tuple(structure.placement), structure.recompute)
+    """What tells plans apart for measured selection: the order in which the pipeline visits
+    devices (the placement with neighbouring stages on one device merged, the devices numbered by
+    first visit) and how many stages recompute. Plans of one shape differ in where the stage
+    boundaries fall, in which device plays which part, and in their op order: by less than a
+    measurement on a busy machine can tell. (0, 1), (1, 0) and (0, 0, 1, 1) are one shape;
+    (0, 1, 1, 0) and (0, 1, 0, 1) are others."""
+    visits: list[int] = []
+    for device in structure.placement:
+        if not visits or visits[-1] != device:
+            visits.append(device)
+    number: dict[int, int] = {}
+    for device in visits:
+        number.setdefault(device, len(number))
+    return (tuple(number[device] for device in visits), sum(map(bool, structure.recompute)))
 
 
 @dataclass(frozen=True)

@@ -293,13 +293,14 @@ def test_lower_bound_never_exceeds_the_plan(layers, m):
 
 def test_runners_up_are_other_shapes_that_fit_within_the_margin():
     from octopipe.api import MAX_RUNNERS_UP, RUNNER_UP_MARGIN
+    from octopipe.tuner import Structure, plan_shape
 
     costs = heterogeneous(3, num_layers=12)
     cluster = ClusterSpec.preset("h100x4")
     result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
     assert 1 <= len(result.runners_up) <= MAX_RUNNERS_UP
     limit = result.report.activation_limit_bytes
-    shapes = {(result.plan.num_stages, result.plan.placement, result.plan.recompute)}
+    shapes = {plan_shape(Structure.of(result.plan))}
     previous = 0.0
     for plan in result.runners_up:
         plan.validate(len(costs))
@@ -308,6 +309,17 @@ def test_runners_up_are_other_shapes_that_fit_within_the_margin():
         assert result.simulation.iteration_ms - 1e-9 <= sim.iteration_ms <= result.simulation.iteration_ms * (1 + RUNNER_UP_MARGIN)
         assert sim.iteration_ms >= previous - 1e-9  # fastest first
         previous = sim.iteration_ms
-        shape = (plan.num_stages, plan.placement, plan.recompute)
+        shape = plan_shape(Structure.of(plan))
         assert shape not in shapes
         shapes.add(shape)
+
+
+def test_plans_that_visit_devices_in_the_same_order_are_one_shape():
+    from octopipe.tuner import Structure, plan_shape
+
+    def shape(placement):
+        return plan_shape(Structure(tuple(range(len(placement) + 1)), tuple(placement), 2))
+
+    assert shape([0, 1]) == shape([1, 0]) == shape([1, 1, 0, 0])
+    assert len({shape([0, 1]), shape([0, 1, 1, 0]), shape([0, 1, 0, 1])}) == 3
+    assert shape([0, 1, 1, 0]) == shape([1, 0, 0, 1])
