@@ -211,12 +211,19 @@ def plan(
                      f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
                      f"{min_gain:.1%}")
         report.chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
-    return PlanResult(best_plan, report, final, costs, _runners_up(tuned, searched, best_plan, final.iteration_ms))
+    runners_up = _runners_up(tuned, searched, best_plan, final.iteration_ms)
+    if runners_up:
+        notes.append(f"runners-up: {len(runners_up)} plan{'s' if len(runners_up) > 1 else ''} of other shapes within "
+                     f"{RUNNER_UP_MARGIN:.0%} ({', '.join(f'{ms:.1f}' for ms, _ in runners_up)} ms; "
+                     "PlanResult.runners_up): measure them beside this plan where the costs are that uncertain "
+                     "(octopipe train --candidates)")
+    return PlanResult(best_plan, report, final, costs, tuple(plan_ for _, plan_ in runners_up))
 
 
-def _runners_up(tuned: Any, searched: SimResult, chosen: PipelinePlan, chosen_ms: float) -> tuple[PipelinePlan, ...]:
-    """The fastest plans of other shapes than `chosen` within RUNNER_UP_MARGIN of it: the
-    tuner's, and the searched plan itself where min_gain returned a baseline instead."""
+def _runners_up(tuned: Any, searched: SimResult, chosen: PipelinePlan, chosen_ms: float
+                ) -> list[tuple[float, PipelinePlan]]:
+    """(ms, plan) of the fastest plans of other shapes than `chosen` within RUNNER_UP_MARGIN of
+    it: the tuner's, and the searched plan itself where min_gain returned a baseline instead."""
     pool = [(c.iteration_ms, c.plan) for c in tuned.runners_up]
     if searched.plan is not chosen:
         pool.append((searched.iteration_ms, searched.plan))
@@ -226,8 +233,8 @@ def _runners_up(tuned: Any, searched: SimResult, chosen: PipelinePlan, chosen_ms
         shape = plan_shape(Structure.of(candidate))
         if ms <= chosen_ms * (1 + RUNNER_UP_MARGIN) and shape not in taken:
             taken.add(shape)
-            found.append(candidate)
-    return tuple(found[:MAX_RUNNERS_UP])
+            found.append((ms, candidate))
+    return found[:MAX_RUNNERS_UP]
 
 
 _search = plan  # compile()'s `plan` argument shadows the function

@@ -299,6 +299,7 @@ def test_runners_up_are_other_shapes_that_fit_within_the_margin():
     cluster = ClusterSpec.preset("h100x4")
     result = octopipe.plan(costs, cluster, 8, activation_limit="1f1b", quiet=True, effort=0.05)
     assert 1 <= len(result.runners_up) <= MAX_RUNNERS_UP
+    assert any(note.startswith(f"runners-up: {len(result.runners_up)} plan") for note in result.report.notes)
     limit = result.report.activation_limit_bytes
     shapes = {plan_shape(Structure.of(result.plan))}
     previous = 0.0
