@@ -566,11 +566,13 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
     """The fastest, measured on these processes, of the planner's plan and its runners-up
     (`--candidates` in all), each run for a few steps in turn without updating the model."""
     import octopipe
+    from octopipe.api import RUNNER_UP_MARGIN
     from octopipe.bench import measure_many
 
     plans = [pipe.plan, *pipe.runners_up][:args.candidates]
     if len(plans) == 1:
-        print("note: the planner found no runner-up within 10% of its plan; nothing else to measure", file=sys.stderr)
+        print(f"note: the planner found no runner-up within {RUNNER_UP_MARGIN:.0%} of its plan; nothing else to measure",
+              file=sys.stderr)
         return pipe
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True)
