@@ -383,8 +383,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from octopipe.api import plan
+    from octopipe.errors import OctopipeError
 
     _writable(args.output, "-o")
+    if args.runners_up and not args.output:
+        raise OctopipeError("plan --runners-up: they are written beside the plan file; give -o PLAN as well")
     cluster = _cluster(args)
     started = time.perf_counter()
     costs, _ = _costs_from(args, cluster)
@@ -408,10 +411,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise _write_error(args.output, exc) from None
         kept = " with the cost table and cluster it was planned on" if path.suffix == ".json" else ""
         print(f"plan written to {path}{kept}")
+        if args.runners_up:
+            _save_runners_up(result, path)
     else:
         print()
         print(result.plan)
     return EXIT_OK
+
+
+def _save_runners_up(result: Any, path: Path) -> None:
+    """Each of the planner's runners-up as PLAN.runner-up-N.SUFFIX beside the plan (as the plan
+    is saved), to measure on the cluster with `train --plan`."""
+    from octopipe.api import RUNNER_UP_MARGIN, save_plan
+    from octopipe.simulator import simulate
+
+    if not result.runners_up:
+        print(f"no runner-up: no plan of another shape fits within {RUNNER_UP_MARGIN:.0%} of this one")
+    for index, runner_up in enumerate(result.runners_up, start=1):
+        target = path.with_name(f"{path.stem}.runner-up-{index}{path.suffix}")
+        iteration_ms = simulate(runner_up, result.costs, result.simulation.cluster).iteration_ms
+        try:
+            save_plan(runner_up, target, costs=result.costs, cluster=result.simulation.cluster,
+                      iteration_ms=iteration_ms)
+        except OSError as exc:
+            raise _write_error(str(target), exc) from None
+        print(f"runner-up {index} written to {target} ({runner_up.num_stages} stages, placement "
+              f"{list(runner_up.placement)}, predicted {iteration_ms:.1f} ms)")
 
 
 def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
@@ -521,7 +546,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             f"{'--plan' if args.plan else '--schedule'} nothing is planned")
     if args.candidates > 1 and (args.torchrun or "RANK" in os.environ):
         raise OctopipeError("train --candidates: plans are measured against each other on local processes; for a "
-                            "cluster, measure them there one by one (octopipe plan, then train --plan FILE)")
+                            "cluster, write them with octopipe plan -o PLAN.json --runners-up and run each there "
+                            "with train --plan")
     if args.torchrun:
         print(torchrun_command(args))
         return EXIT_OK
@@ -758,6 +784,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")
+    p.add_argument("--runners-up", action="store_true",
+                   help="also write the planner's runners-up (other shapes predicted within 10%%) as "
+                        "PLAN.runner-up-N.json, to measure beside the plan (train --plan)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("simulate", help="simulate a plan file on a cost table")

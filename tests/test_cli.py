@@ -480,3 +480,20 @@ def test_train_candidates_needs_a_search_on_local_processes(capsys):
     for extra in (["--schedule", "1f1b"], ["--torchrun"]):
         assert main(["train", "--model", "gemma", "--candidates", "2", *extra]) == EXIT_ERROR
         assert "--candidates" in capsys.readouterr().err
+
+
+def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, capsys):
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "3",
+                 "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
+    out = capsys.readouterr().out
+    written = sorted(tmp_path.glob("p.runner-up-*.json"))
+    assert written and len(written) == out.count("written to " + str(tmp_path / "p.runner-up-"))
+    predicted = [float(x) for x in re.findall(r"predicted ([\d.]+) ms\)", out)]
+    for path, ms in zip(written, predicted):
+        assert main(["simulate", str(path)]) == EXIT_OK  # it carries its costs and cluster
+        planned = float(re.search(r"planned: ([\d.]+) ms on the saved costs and cluster \(the same\)",
+                                  capsys.readouterr().out).group(1))
+        assert planned == pytest.approx(ms, abs=0.06)
+    assert main(["plan", "--costs", str(PROFILE), "--runners-up"]) == EXIT_ERROR
+    assert "give -o PLAN" in capsys.readouterr().err
