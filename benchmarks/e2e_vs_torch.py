@@ -221,8 +221,8 @@ def main() -> None:
         tokens = BATCH_SIZE * inputs[-1].shape[1]
         print(f"\n{name}: torch per schedule: "
               + ", ".join(f"{k.removeprefix('Schedule')} {v:.0f}" for k, v in sorted(medians.items(), key=lambda kv: kv[1])))
-        for index, plan in enumerate(candidates):
-            predicted = octopipe.simulate(plan, costs, cluster).iteration_ms
+        for index, pipe in enumerate(pipes):  # compile simulated each plan on these costs and cluster
+            plan, predicted = pipe.plan, pipe.simulation.iteration_ms
             print(f"  {_ours(index)}: {plan.num_stages} stages, placement {plan.placement}, predicted {predicted:.0f} ms, "
                   f"measured {mine.get(_ours(index), float('nan')):.0f} ms{' (fastest)' if _ours(index) == fastest else ''}")
         for key, why in per_rank[0]["failed"].items():

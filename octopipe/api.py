@@ -21,7 +21,7 @@ from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
 from octopipe.solver import balance_bound, input_gradients, refine_order, release_bound
-from octopipe.tuner import Policy, Structure, list_schedule, plan_shape, tune
+from octopipe.tuner import Policy, Structure, TuneResult, list_schedule, plan_shape, tune
 
 GiB = 2**30
 
@@ -40,8 +40,8 @@ class PlanResult:
     costs: CostTable | None = None
     """The cost table it was planned on."""
     runners_up: tuple[PipelinePlan, ...] = ()
-    """Up to three more plans of other shapes (stage count, placement, recomputation) that fit
-    the limits, predicted within RUNNER_UP_MARGIN of `plan`, fastest first: where the simulator's
+    """Up to three more plans of other shapes (`octopipe.tuner.plan_shape`: the order the
+    pipeline visits the devices, and how many stages recompute) that fit the limits, predicted within RUNNER_UP_MARGIN of `plan`, fastest first: where the simulator's
     error is as large as their difference, measure them beside `plan` and keep the fastest
     (`octopipe.bench.measure_many`, `octopipe train --candidates`)."""
 
@@ -220,7 +220,7 @@ def plan(
     return PlanResult(best_plan, report, final, costs, tuple(plan_ for _, plan_ in runners_up))
 
 
-def _runners_up(tuned: Any, searched: SimResult, chosen: PipelinePlan, chosen_ms: float
+def _runners_up(tuned: TuneResult, searched: SimResult, chosen: PipelinePlan, chosen_ms: float
                 ) -> list[tuple[float, PipelinePlan]]:
     """(ms, plan) of the fastest plans of other shapes than `chosen` within RUNNER_UP_MARGIN of
     it: the tuner's, and the searched plan itself where min_gain returned a baseline instead."""

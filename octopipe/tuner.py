@@ -493,8 +493,8 @@ class TuneResult:
     seconds: float = 0.0
     structures: int = 0
     runners_up: tuple[Candidate, ...] = ()
-    """The fastest plan found of each other shape (stage count, placement, recomputation) that
-    fits the limits, fastest first: alternatives for measured selection (`PlanResult.runners_up`)."""
+    """The fastest plan found of each shape (`plan_shape`) other than the best plan's that fits
+    the limits, fastest first: alternatives for measured selection (`PlanResult.runners_up`)."""
 
 
 class _Search:
@@ -573,12 +573,13 @@ class _Search:
         peak_activation = tuple(max(0.0, total - fixed) for total, fixed in zip(peak_memory, static))
         candidate = Candidate(plan, ms, peak_activation, peak_memory, self.overshoot(peak_activation, peak_memory),
                               origin, structure, policy)
-        if candidate.feasible:
-            shape = plan_shape(structure)
-            known = self.best_of_shape.get(shape)
-            if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
-                self.best_of_shape[shape] = candidate
-        if candidate.feasible and (self.best is None or candidate.iteration_ms < self.best.iteration_ms - 1e-9):
+        if not candidate.feasible:
+            return candidate
+        shape = plan_shape(structure)
+        known = self.best_of_shape.get(shape)
+        if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
+            self.best_of_shape[shape] = candidate
+        if self.best is None or candidate.iteration_ms < self.best.iteration_ms - 1e-9:
             self.best = candidate
             elapsed = time.perf_counter() - self.started
             self.history.append((elapsed, candidate.iteration_ms, origin))
