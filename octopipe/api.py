@@ -439,6 +439,8 @@ class Pipeline:
     runners_up: tuple[PipelinePlan, ...] = ()
     """The planner's runners-up (`PlanResult.runners_up`) when compile planned; compile one with
     `compile(..., plan=p, costs=pipe.costs)` to measure it beside this plan."""
+    autocast: Any = None
+    """compile's autocast dtype (torch.bfloat16) or None, given to every engine."""
 
     @property
     def world_size(self) -> int:
@@ -446,14 +448,21 @@ class Pipeline:
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
-        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight: see
-        there; loss_weight defaults to compile's)."""
+        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast:
+        see there; loss_weight and autocast default to compile's, and an autocast other than
+        compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on
+        from octopipe.runtime.amp import autocast_dtype
         from octopipe.runtime.engine import Engine
 
         if not 0 <= rank < self.world_size:
             raise OctopipeError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
         options.setdefault("loss_weight", self.loss_weight)
+        options.setdefault("autocast", self.autocast)
+        if autocast_dtype(options["autocast"], "pipe.engine(autocast=...)") != self.autocast:
+            raise ArgumentError(f"pipe.engine: autocast={options['autocast']!r}, but the pipeline was compiled with "
+                                f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
+                                "compile again with the autocast to run")
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, rank), self.programs[rank],
                       self.num_microbatches, **options)
 
@@ -598,6 +607,7 @@ def compile(
     recompute: bool = True,
     seq_dims: Mapping[str, int | None] | None = None,
     loss_weight: Callable[[Any], Any] | None = None,
+    autocast: Any = None,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -621,14 +631,19 @@ def compile(
     batch's count instead of equally; with a token-mean loss_fn and the count of tokens it
     averages (`lambda t: (t != -100).sum()` for cross_entropy's ignore_index), the step's loss and
     gradients are the token mean over the whole batch, as in plain training (Megatron's
-    per-token loss). Computed from the target on the loss stage's rank each step."""
+    per-token loss). Computed from the target on the loss stage's rank each step.
+    autocast: None or "bf16" (torch.bfloat16): mixed precision, every stage's forward under
+    torch.autocast as plain autocast training runs it (fp32 parameters and gradients; tensors cross
+    stages in autocast's dtypes; `costs="profile"` measures under it too; see `runtime/amp.py`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, trace
     from octopipe.passes.verify import verify
+    from octopipe.runtime.amp import autocast_dtype
 
     seconds: dict[str, float] = {}
     cluster = ClusterSpec.of(cluster, "compile: cluster")
+    autocast = autocast_dtype(autocast, "compile(autocast=...)")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -654,7 +669,7 @@ def compile(
         micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
         if loss_weight is not None:
             _check_loss_weight(loss_weight, example_target, num_microbatches)
-        table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims))
+        table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims, autocast))
         if len(table) != len(graph.layers):
             raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
                                 f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
@@ -682,7 +697,7 @@ def compile(
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,
                                                   loss_fn=loss_fn, model=model, split_backward=split_backward,
-                                                  compile=compile_stages))
+                                                  compile=compile_stages, autocast=autocast))
         links = links_of(stages)
         if receive_ahead is None:
             receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
@@ -695,7 +710,7 @@ def compile(
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
         return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds,
-                        loss_weight, runners_up)
+                        loss_weight, runners_up, autocast)
 
 
 def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:
@@ -781,7 +796,7 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,
-               seq_dims: Mapping[str, int | None] | None = None) -> CostTable:
+               seq_dims: Mapping[str, int | None] | None = None, autocast: Any = None) -> CostTable:
     if isinstance(costs, CostTable):
         return costs
     if costs == "analytic":
@@ -792,7 +807,8 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
     if costs == "profile":
         from octopipe.passes.profile import profile_costs
 
-        return profile_costs(graph, micro, example_target=micro_target if graph.layers[-1].kind == "loss" else None)
+        return profile_costs(graph, micro, example_target=micro_target if graph.layers[-1].kind == "loss" else None,
+                             autocast=autocast)
     if isinstance(costs, (str, Path)) and Path(costs).suffix in (".json", ".yaml", ".yml"):
         return CostTable.load(costs)
     raise OctopipeError(f"compile: costs must be 'analytic', 'profile', a cost table file or a CostTable, got {costs!r}")

@@ -575,7 +575,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
-                            quiet=args.quiet)
+                            quiet=args.quiet, autocast=args.autocast)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -601,7 +601,8 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
               file=sys.stderr)
         return pipe
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                                       num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True)
+                                       num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
+                                       autocast=pipe.autocast)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -618,6 +619,18 @@ CANDIDATE_STEPS = 3
 """Steps each candidate plan runs in `train --candidates` (after one warm-up step)."""
 
 
+def _autocast_on_meta(args: argparse.Namespace) -> Exception:
+    from octopipe.errors import OctopipeError
+
+    return OctopipeError(f"train --autocast {args.autocast}: the model is built on the meta device (--size paper), "
+                         "and compile runs one example microbatch for real to know which dtype autocast gives each "
+                         "tensor sent between stages; build the model on the CPU (a factory), or drop --autocast")
+
+
+AUTOCAST_CHOICES = ("bf16",)
+"""`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
+
+
 def _train_distributed(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: every rank compiles the same model; rank 0's plan is broadcast
     so all ranks run the same one, then each rank runs its engine."""
@@ -629,6 +642,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     import octopipe
     from octopipe import models
     from octopipe.bench import training_optimizer
+    from octopipe.errors import OctopipeError
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime import init_from_env
 
@@ -643,6 +657,8 @@ def _train_distributed(args: argparse.Namespace) -> int:
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
     # and each rank creates only its own stages, on its own GPU
     on_meta = any(param.is_meta for param in model.parameters())
+    if on_meta and args.autocast:
+        raise _autocast_on_meta(args)
     examples, example_target = inputs, target
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
@@ -652,11 +668,13 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if rank == 0:
         first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
                                  loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
-                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, quiet=args.quiet)
+                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, quiet=args.quiet,
+                                 autocast=args.autocast)
         plan_text = [str(first.plan)]
     dist.broadcast_object_list(plan_text, src=0)
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
-                            num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True)
+                            num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
+                            autocast=args.autocast)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank)  # each rank draws its own stages' weights
@@ -708,6 +726,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
         raise OctopipeError(f"--nprocs {args.nprocs}: torchrun starts as many processes on every node (of 8 GPUs); "
                             "use 8 or fewer, or a multiple of 8")
     builtin = args.model in models.MODEL_NAMES
+    if builtin and args.size == "paper" and args.autocast:
+        raise _autocast_on_meta(args)
     if builtin:
         _overrides(args.model, args.size, args.set)  # unknown fields and wrong types fail here, not on every rank
     else:
@@ -724,6 +744,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
+    words += ["--autocast", args.autocast] if args.autocast else []
     words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -741,7 +762,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     model, inputs, target, loss_fn = _load_model(args)
     schedule = args.schedule or (None if args.plan else "1f1b")  # a given plan, else 1F1B unless named
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                            num_microbatches=args.microbatches, plan=args.plan, schedule=schedule, quiet=True)
+                            num_microbatches=args.microbatches, plan=args.plan, schedule=schedule, quiet=True,
+                            autocast=args.autocast)
     if args.all is not None:
         try:
             paths = pipe.dump_all(args.all)
@@ -826,6 +848,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
+    p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
+                   help="mixed precision: every forward under torch.autocast in bfloat16 (fp32 weights and gradients)")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")
@@ -853,6 +877,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--level", default=None, choices=("graph", "costs", "plan", "program", "stages"),
                    help="the IR level to print (default plan)")
     p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR")
+    p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
+                   help="compile for bfloat16 autocast (the stages level shows the dtypes sent between stages)")
     p.set_defaults(run=cmd_dump)
     return parser
 

@@ -497,3 +497,23 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
         assert planned == pytest.approx(ms, abs=0.06)
     assert main(["plan", "--costs", str(PROFILE), "--runners-up"]) == EXIT_ERROR
     assert "give -o PLAN" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_train_and_dump_take_bf16_autocast(capsys):
+    argv = ["train", "--model", "multimodal", "--schedule", "zb-h1", "--steps", "2", "--quiet"]
+    losses = []
+    for extra in ([], ["--autocast", "bf16"]):
+        assert main([*argv, *extra]) == EXIT_OK
+        losses.append(float(re.search(r"^step 0: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE).group(1)))
+    assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=1e-2)  # bf16 matmuls, same model
+    # the vision features cross stages in bf16 under autocast: half the bytes
+    assert main(["dump", "--model", "multimodal", "--level", "stages", "--autocast", "bf16"]) == EXIT_OK
+    assert re.search(r"out projector_down_proj: \S+ bfloat16", capsys.readouterr().out)
+    assert main(["train", "--model", "gemma", "--autocast", "bf16", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--autocast bf16")
+    # a paper-size model is built on the meta device: no example run to learn autocast's dtypes from
+    assert main(["train", "--model", "gemma", "--size", "paper", "--autocast", "bf16", "--torchrun"]) == EXIT_ERROR
+    assert "meta device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: only bf16 (float16 would need loss scaling)
+        main(["train", "--model", "gemma", "--autocast", "fp16"])

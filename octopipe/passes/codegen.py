@@ -36,6 +36,7 @@ from octopipe.errors import ArgumentError, PlanError, TraceError
 from octopipe.ir.graph import LayerGraph
 from octopipe.ir.plan import PipelinePlan
 from octopipe.passes.split_backward import split_backward as split_backward_pass
+from octopipe.runtime import amp
 from octopipe.runtime.stage import BATCH, StageModule, TensorSource, TensorSpec, stage_links
 
 NAME = "codegen"
@@ -129,10 +130,13 @@ def codegen(
     model: nn.Module | None = None,
     split_backward: bool | None = None,
     compile: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> tuple[StageModule, ...]:
     """One StageModule per plan stage. `example_inputs` (+ `example_target` when the graph ends in
     a loss) is one full batch; `loss_fn` appends a loss when the graph has none; `model` (the
-    original nn.Module) names tied parameters as the model does (default: the traced module)."""
+    original nn.Module) names tied parameters as the model does (default: the traced module).
+    `autocast` (torch.bfloat16 or None): the example microbatch runs under torch.autocast, so the
+    cross-stage tensors' specs have the dtypes the engines' autocast forwards will send."""
     if graph.module is None:
         raise TraceError("codegen needs LayerGraph.module (the traced GraphModule); a parsed graph has none")
     num_microbatches = num_microbatches or plan.num_microbatches
@@ -161,7 +165,12 @@ def codegen(
             return result
 
     first = microbatch(batch, num_microbatches)
-    with torch.enable_grad():
+    device = next((t.device for t in [*module.parameters(), *first] if isinstance(t, Tensor)), torch.device("cpu"))
+    if autocast is not None and device.type == "meta":
+        raise TraceError("codegen: autocast needs the example microbatch to run for real, to know the dtype autocast "
+                         "gives each tensor that crosses stages; a model on the meta device has no values: compile a "
+                         "real (CPU) copy with autocast, or drop autocast")
+    with torch.enable_grad(), amp.autocast(autocast, device):
         try:
             _Recorder(module).run(*first)
         except Exception as exc:  # noqa: BLE001 - the model's own ops on one microbatch: say why they may fail

@@ -38,6 +38,7 @@ from torch import fx
 from octopipe.errors import ExecutionError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import Layer, LayerGraph
+from octopipe.runtime import amp
 
 __all__ = ["LayerModule", "layer_modules", "profile_costs"]
 
@@ -50,8 +51,10 @@ def profile_costs(
     repeats: int = 5,
     warmup: int = 2,
     device: torch.device | str | None = None,
+    autocast: Any = None,
 ) -> CostTable:
-    """Measure F, B and W of every layer of `graph` on one example batch (see the module docstring)."""
+    """Measure F, B and W of every layer of `graph` on one example batch (see the module docstring).
+    `autocast` (None or "bf16"): every forward runs under torch.autocast, as the engine runs it."""
     if graph.module is None:
         raise ExecutionError(
             "profile_costs: this LayerGraph has no traced module (it was parsed from text); trace the model"
@@ -70,12 +73,17 @@ def profile_costs(
             "pass the example batch it was traced with (and example_target when it was traced with a loss)"
         )
     target_device = _device_of(gm, inputs, device)
+    dtype = amp.autocast_dtype(autocast, "profile_costs(autocast=...)")
     inputs = tuple(t.to(target_device) if isinstance(t, torch.Tensor) else t for t in inputs)
     timer = _Timer(target_device, repeats, warmup)
-    captured = _capture(gm, inputs, graph)
+
+    def autocast_forward() -> Any:
+        return amp.autocast(dtype, target_device)
+
+    captured = _capture(gm, inputs, graph, autocast_forward)
     layers = []
     for layer, sub in zip(graph.layers, layer_modules(graph)):
-        layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs)))
+        layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs), autocast_forward))
     sizes = {edge.name: sum(t.numel() * t.element_size() for t in _flat_tensors(captured[edge.name]))
              for edge in graph.skip_edges if edge.name in captured}
     return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes))
@@ -142,11 +150,12 @@ class _Capture(fx.Interpreter):
         return result
 
 
-def _capture(gm: fx.GraphModule, inputs: tuple[Any, ...], graph: LayerGraph) -> dict[str, Any]:
+def _capture(gm: fx.GraphModule, inputs: tuple[Any, ...], graph: LayerGraph,
+             autocast_forward: Callable[[], Any]) -> dict[str, Any]:
     keep = {edge.name for edge in graph.edges} | set(graph.inputs)
     capture = _Capture(gm, keep)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_forward():
             capture.run(*inputs)
     except Exception as exc:  # noqa: BLE001 - reported with the layer
         raise ExecutionError(
@@ -237,7 +246,8 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _measure(
-    layer: Layer, sub: LayerModule, captured: dict[str, Any], timer: _Timer, model_inputs: frozenset[str]
+    layer: Layer, sub: LayerModule, captured: dict[str, Any], timer: _Timer, model_inputs: frozenset[str],
+    autocast_forward: Callable[[], Any],
 ) -> LayerCost:
     params = [p for p in sub.module.parameters() if p.requires_grad]
     param_ids = {p.data_ptr() for p in sub.module.parameters()}
@@ -258,7 +268,8 @@ def _measure(
     act_inputs = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
 
     def forward() -> Any:
-        return sub.module(*inputs)
+        with autocast_forward():
+            return sub.module(*inputs)
 
     try:
         forward_ms = timer(forward)
@@ -289,7 +300,7 @@ def _measure(
                 return lambda: torch.autograd.grad(out_tensors, wrt, grads, retain_graph=True, allow_unused=True)
 
             backward_ms = timer(grad_of(act_inputs + params))
-            input_only_ms, weight_only_ms = _split_times(sub, inputs, act_inputs, grads, timer)
+            input_only_ms, weight_only_ms = _split_times(sub, inputs, act_inputs, grads, timer, autocast_forward)
     except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
         raise ExecutionError(
             f"profile_costs: layer {layer.index} ({layer.name!r}) failed: {type(exc).__name__}: {exc}"
@@ -311,7 +322,7 @@ def _measure(
 
 
 def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Tensor], grads: list[torch.Tensor],
-                 timer: _Timer) -> tuple[float, float]:
+                 timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[float, float]:
     """Median ms of B and of W when the layer's backward is split the runtime's way; (0, 0)
     when the rewrite finds no weight to defer."""
     from octopipe.passes.split_backward import split_backward
@@ -324,7 +335,8 @@ def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Ten
     deferred_ids = {id(p) for p in deferred_params}
     kept = [p for p in split.parameters() if p.requires_grad and id(p) not in deferred_ids]
     saved_grads = {id(p): p.grad for p in deferred_params}
-    outputs = [t for t in _flat_tensors(split(*inputs)) if t.requires_grad]
+    with autocast_forward():
+        outputs = [t for t in _flat_tensors(split(*inputs)) if t.requires_grad]
     wrt = act_inputs + kept
     cuda = timer.device.type == "cuda"
 

@@ -17,6 +17,9 @@ tensors used through einsum) get their gradients in B; their weight-gradient wor
 the linear layers' in the models OctoPipe targets. Gradients are exactly those of one full backward
 (the same matmuls; tolerance only for summation order where a weight is used twice, e.g. a tied
 head). Cost: B + W does the same matmuls as a full backward plus one Python call per linear.
+Under torch.autocast `SplitLinear` casts its operands as autocast casts a linear's (the matmuls in
+autocast's dtype, the gradients cast back to the parameters' dtype), so B and W match autocast's
+own backward.
 
 With torch.compile (`compile_safe=True`), `split_linear` is excluded from compilation (a graph
 break per linear): a compiled backward would bake in the stash check at trace time.
@@ -51,12 +54,22 @@ class SplitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, inputs: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.weight, ctx.bias = weight, bias  # the parameters W accumulates into
+        device = inputs.device.type
+        if torch.is_autocast_enabled(device):  # as autocast runs a linear: operands cast, the matmul in its dtype
+            dtype = torch.get_autocast_dtype(device)
+            inputs, weight = _cast(inputs, dtype), _cast(weight, dtype)
+            bias = _cast(bias, dtype) if bias is not None else None
+            ctx.save_for_backward(inputs, weight)
+            with torch.autocast(device, enabled=False):
+                return F.linear(inputs, weight, bias)
         ctx.save_for_backward(inputs, weight)
-        ctx.bias = bias
         return F.linear(inputs, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        # under autocast: the saved operands and grad_output are in its dtype, and so are the
+        # gradients; autograd casts the returned ones to the inputs' dtypes, W's accumulate casts
         inputs, weight = ctx.saved_tensors
         bias = ctx.bias
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
@@ -65,13 +78,17 @@ class SplitLinear(torch.autograd.Function):
         if not (need_weight or need_bias):
             return grad_input, None, None
         stash = active_weight_grad_stash()
-        if stash is not None and (not need_weight or weight.is_leaf) and (not need_bias or bias.is_leaf):
-            stash.add(_weight_grads, weight if need_weight else None, bias if need_bias else None, inputs, grad_output)
+        if stash is not None and (not need_weight or ctx.weight.is_leaf) and (not need_bias or bias.is_leaf):
+            stash.add(_weight_grads, ctx.weight if need_weight else None, bias if need_bias else None, inputs, grad_output)
             return grad_input, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1])) if need_weight else None
         grad_bias = grad_2d.sum(0) if need_bias else None
         return grad_input, grad_weight, grad_bias
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def split_linear(inputs: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -16,6 +16,8 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   input leaves, whose gradients go to the producers; `backward_input` opens a
   `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
   a microbatch's activations are dropped as soon as its last backward op on the stage ran;
+- with `autocast` (bf16; `runtime/amp.py`) every forward, a recomputing stage's second one
+  included, runs under torch.autocast on the engine's device; backward runs outside it;
 - a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
   engine's CUDA device), and its B first runs the forward again with grad on those inputs and that
   RNG state (the same dropout masks; the RNG stream outside is left as it was, as
@@ -51,6 +53,7 @@ from torch import Tensor, nn
 
 from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
+from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
@@ -122,6 +125,7 @@ class Engine:
         optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         init: Init | None = None,
         loss_weight: Callable[[Tensor], Any] | None = None,
+        autocast: torch.dtype | str | None = None,
     ) -> None:
         """`device`: where this rank runs; its stage modules are moved there (in place: build one
         engine per process). A model built on the meta device is created there instead, from
@@ -130,7 +134,9 @@ class Engine:
         re-initializes it the same way. `loss_weight(target microbatch) -> count`: each
         microbatch's loss weighs its count's share of the batch's (a token loss's real tokens, say),
         so that the step computes a token mean over the whole batch; default: every microbatch
-        weighs the same (see `microbatch_weights`)."""
+        weighs the same (see `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run
+        every forward under torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs
+        must come from a compile with the same autocast."""
         if program.rank != rank or program.num_ranks != world_size:
             raise ExecutionError(f"rank {rank}: program is for rank {program.rank} of {program.num_ranks}, "
                                  f"engine is rank {rank} of {world_size}")
@@ -142,6 +148,7 @@ class Engine:
             raise ArgumentError(f"rank {rank}: Engine(loss_weight=...) must be a function of the target microbatch, "
                                 f"got {type(loss_weight).__name__}")
         self.loss_weight = loss_weight
+        self.autocast = amp.autocast_dtype(autocast, f"rank {rank}: Engine(autocast=...)")
         self.stages = {stage.index: stage for stage in stages}
         for instruction in program.instructions:
             if instruction.stage is not None and instruction.stage not in self.stages:
@@ -433,7 +440,15 @@ class Engine:
         producer, consumer, m = i.stage, i.peer_stage, i.microbatch
         slot = self._slots[(producer, m)]
         assert slot.outputs is not None
-        tensors = [slot.outputs[j].detach().contiguous() for j in self.stages[producer].outputs_to(consumer)]
+        stage = self.stages[producer]
+        tensors = [slot.outputs[j].detach().contiguous() for j in stage.outputs_to(consumer)]
+        for j, tensor in zip(stage.outputs_to(consumer), tensors):
+            spec = stage.outputs[j]
+            if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                raise ExecutionError(
+                    f"rank {self.rank}: {self._where(i)}: output {spec.name} is {tuple(tensor.shape)} {tensor.dtype}, but "
+                    f"the pipeline was compiled for {spec.shape} {spec.dtype} (what stage {consumer} receives); compile "
+                    "with the autocast the engine runs (and the model on the device type it runs on)")
         self._send(tensors, i, KIND_ACT, producer, consumer)
 
     def _send_grad(self, i: Instruction) -> None:
@@ -481,7 +496,7 @@ class Engine:
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
                 slot.rng_state = (torch.get_rng_state(),
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-            with torch.set_grad_enabled(not stage.recompute):
+            with torch.set_grad_enabled(not stage.recompute), amp.autocast(self.autocast, self.device):
                 slot.outputs = self._run(stage, args)
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
             self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
@@ -515,7 +530,7 @@ class Engine:
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, self.device)
-            with torch.enable_grad():
+            with torch.enable_grad(), amp.autocast(self.autocast, self.device):
                 slot.outputs = self._run(stage, slot.inputs)
         slot.rng_state = None
 

@@ -175,7 +175,10 @@ def deferred_weight_grads(stash: WeightGradStash) -> Iterator[WeightGradStash]:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param.grad += grad, as autograd's AccumulateGrad would."""
+    """param.grad += grad, as autograd's AccumulateGrad would (in the parameter's dtype: a
+    gradient computed under autocast is cast, as autocast's own cast op passes it back)."""
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad.detach()
     else:

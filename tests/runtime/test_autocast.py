@@ -1,0 +1,176 @@
+"""compile(autocast="bf16"): every stage's forward under torch.autocast, tensors crossing stages
+in autocast's dtypes, equals plain autocast training (each microbatch's loss_fn(model(x), y) under
+torch.autocast, backward outside it), loss and every gradient, under 1F1B, ZB-H1 (split B/W
+linears), interleaved 1F1B and a recomputing plan; and it is not plain fp32 training (the test
+could fail)."""
+
+import pytest
+import torch
+from torch import nn
+
+import octopipe
+from octopipe.errors import ArgumentError, OctopipeError, TraceError
+from octopipe.passes.profile import profile_costs
+from octopipe.runtime import launch
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # as each rank runs: CPU kernels' sums depend on threads
+MICROBATCHES = 4
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "1f1b recomputing")
+
+
+class Mixed(nn.Module):
+    """Linear outputs cross stages (bf16 under autocast) and so do residual sums (fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.up = nn.Linear(16, 24)
+        self.down = nn.Linear(24, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = self.down(torch.relu(self.up(x)))
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+
+def _loss(logits, target):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, 32, (8, 6), generator=generator), torch.randint(0, 32, (8, 6), generator=generator)
+
+
+def _model():
+    torch.manual_seed(0)
+    return Mixed()
+
+
+def _pipes(model, autocast="bf16"):
+    tokens, target = _batch()
+    cluster = octopipe.ClusterSpec.preset("cpux2")
+    pipes = []
+    for name in SCHEDULES:
+        schedule = name.split()[0]
+        pipe = octopipe.compile(model, cluster, example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                                num_microbatches=MICROBATCHES, schedule=schedule, autocast=autocast, quiet=True)
+        if name.endswith("recomputing"):
+            plan = pipe.plan.with_recompute([True] * pipe.plan.num_stages)
+            pipe = octopipe.compile(model, cluster, example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                                    num_microbatches=MICROBATCHES, plan=plan, costs=pipe.costs, autocast=autocast,
+                                    quiet=True)
+        pipes.append(pipe)
+    return pipes
+
+
+def _plain(model, autocast):
+    tokens, target = _batch()
+    total = 0.0
+    for x, y in zip(tokens.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(model(x), y) / MICROBATCHES
+        loss.backward()
+        total += loss.item()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def _worker(rank, world_size, pipes):
+    tokens, target = _batch()
+    results = []
+    for pipe in pipes:
+        engine = pipe.engine(rank, timeout_s=30)
+        loss = engine.step((tokens,), target)
+        results.append((loss, {name: p.grad.clone() for name, p in engine.named_parameters()}))
+        engine.zero_grad()
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_autocast_pipeline_equals_plain_autocast_training():
+    model = _model()
+    pipes = _pipes(model)
+    crossing = {spec.dtype for pipe in pipes for stage in pipe.stages for spec in stage.outputs}
+    assert torch.bfloat16 in crossing and torch.float32 in crossing  # both kinds of tensor cross stages
+    assert any("split_linear" in stage.module.code for stage in pipes[1].stages)  # ZB-H1 splits linears
+    per_rank = launch(_worker, 2, args=(pipes,))
+    plain_loss, plain_grads = _plain(model, autocast=True)
+    fp32_loss, _ = _plain(model, autocast=False)
+    assert abs(plain_loss - fp32_loss) > 1e-4  # bf16 matmuls change the loss: autocast is really on
+    for index, name in enumerate(SCHEDULES):
+        assert per_rank[0][index][0] == pytest.approx(plain_loss, rel=1e-6), name
+        grads = {**per_rank[0][index][1], **per_rank[1][index][1]}
+        assert set(grads) == set(plain_grads)
+        for param, grad in grads.items():
+            assert grad.dtype == torch.float32, (name, param)
+            assert torch.equal(grad, plain_grads[param]), (name, param)  # the same kernels on the same values
+
+
+def test_autocast_arguments_are_checked():
+    model = _model()
+    tokens, target = _batch()
+
+    def compile_with(**options):
+        return octopipe.compile(model, "cpux2", example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                                num_microbatches=2, schedule="1f1b", quiet=True, **options)
+
+    with pytest.raises(ArgumentError, match="loss scaling"):
+        compile_with(autocast="fp16")
+    with pytest.raises(ArgumentError, match="loss scaling"):
+        compile_with(autocast=torch.float16)
+    with pytest.raises(ArgumentError, match="'bf16'"):
+        compile_with(autocast="int8")
+    pipe = compile_with(autocast=torch.bfloat16)
+    assert pipe.autocast is torch.bfloat16 and compile_with(autocast="bfloat16").autocast is torch.bfloat16
+    with pytest.raises(ArgumentError, match="compiled with autocast"):
+        pipe.engine(0, autocast=None)
+    with pytest.raises(ArgumentError, match="compiled with autocast"):
+        compile_with().engine(0, autocast="bf16")
+    with torch.device("meta"):
+        meta = Mixed()
+    with pytest.raises(TraceError, match="meta device"):
+        octopipe.compile(meta, "cpux2", example_inputs=(tokens.to("meta"),), example_target=target.to("meta"),
+                         loss_fn=_loss, num_microbatches=2, schedule="1f1b", costs="analytic", quiet=True,
+                         autocast="bf16")
+
+
+def _mismatched_worker(rank, world_size, pipe):
+    from octopipe.passes.codegen import stages_on
+    from octopipe.runtime.engine import Engine
+
+    engine = Engine(rank, world_size, stages_on(pipe.stages, pipe.plan, rank), pipe.programs[rank],
+                    pipe.num_microbatches, timeout_s=10, autocast="bf16")
+    tokens, target = _batch()
+    return engine.step((tokens,), target)
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_whose_autocast_differs_from_compile_says_so_at_the_send():
+    tokens, target = _batch()
+    # stage 0 = embed and up: relu(up) crosses, fp32 as compiled, bf16 under the engine's autocast
+    pipe = octopipe.compile(_model(), "cpux2", example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                            num_microbatches=2, schedule="1f1b", partition=[0, 2, 9], quiet=True)
+    assert [spec.dtype for spec in pipe.stages[0].outputs] == [torch.float32]
+    with pytest.raises(OctopipeError, match="is .*bfloat16, but the pipeline was compiled for .*float32"):
+        launch(_mismatched_worker, 2, args=(pipe,))
+
+
+def test_profile_costs_measure_under_autocast():
+    model = _model()
+    tokens, target = _batch()
+    graph = octopipe.compile(model, "cpux2", example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                             num_microbatches=2, schedule="1f1b", quiet=True).graph
+    micro = (tokens[:4],)
+    plain = profile_costs(graph, micro, example_target=target[:4], repeats=1, warmup=0)
+    mixed = profile_costs(graph, micro, example_target=target[:4], repeats=1, warmup=0, autocast="bf16")
+    up = next(i for i, layer in enumerate(graph.layers) if layer.name.startswith("up"))
+    assert mixed.layers[up].output_bytes == plain.layers[up].output_bytes / 2  # its bf16 output is what it sends
+    with pytest.raises(ArgumentError, match="loss scaling"):
+        profile_costs(graph, micro, example_target=target[:4], autocast="fp16")
