@@ -697,7 +697,8 @@ def compile(
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,
                                                   loss_fn=loss_fn, model=model, split_backward=split_backward,
-                                                  compile=compile_stages, autocast=autocast))
+                                                  compile=compile_stages, autocast=autocast,
+                                                  run_device="cuda" if cluster.backend == "nccl" else "cpu"))
         links = links_of(stages)
         if receive_ahead is None:
             receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1

@@ -619,14 +619,6 @@ CANDIDATE_STEPS = 3
 """Steps each candidate plan runs in `train --candidates` (after one warm-up step)."""
 
 
-def _autocast_on_meta(args: argparse.Namespace) -> Exception:
-    from octopipe.errors import OctopipeError
-
-    return OctopipeError(f"train --autocast {args.autocast}: the model is built on the meta device (--size paper), "
-                         "and compile runs one example microbatch for real to know which dtype autocast gives each "
-                         "tensor sent between stages; build the model on the CPU (a factory), or drop --autocast")
-
-
 AUTOCAST_CHOICES = ("bf16",)
 """`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
 
@@ -642,7 +634,6 @@ def _train_distributed(args: argparse.Namespace) -> int:
     import octopipe
     from octopipe import models
     from octopipe.bench import training_optimizer
-    from octopipe.errors import OctopipeError
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime import init_from_env
 
@@ -657,8 +648,6 @@ def _train_distributed(args: argparse.Namespace) -> int:
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
     # and each rank creates only its own stages, on its own GPU
     on_meta = any(param.is_meta for param in model.parameters())
-    if on_meta and args.autocast:
-        raise _autocast_on_meta(args)
     examples, example_target = inputs, target
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
@@ -726,8 +715,6 @@ def torchrun_command(args: argparse.Namespace) -> str:
         raise OctopipeError(f"--nprocs {args.nprocs}: torchrun starts as many processes on every node (of 8 GPUs); "
                             "use 8 or fewer, or a multiple of 8")
     builtin = args.model in models.MODEL_NAMES
-    if builtin and args.size == "paper" and args.autocast:
-        raise _autocast_on_meta(args)
     if builtin:
         _overrides(args.model, args.size, args.set)  # unknown fields and wrong types fail here, not on every rank
     else:

@@ -25,6 +25,7 @@ Triton kernels on GPU, C++ on CPU, slow to compile there).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,6 +120,39 @@ def _owners(root: nn.Module) -> dict[int, nn.Module]:
     return owners
 
 
+def _fake_device(kind: str) -> tuple[Any, torch.device]:
+    """A FakeTensorMode and the device its tensors claim: `kind`, or the CPU where this machine has
+    no such device (autocast would switch itself off on it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if kind == "cuda" and not torch.cuda.is_available():
+        kind = "cpu"
+    return FakeTensorMode(), torch.device(kind)
+
+
+def _fake_run(module: fx.GraphModule, inputs: Sequence[Any], mode: Any, device: torch.device,
+              run: Callable[..., Any]) -> Any:
+    """`run(module, *inputs)` with every parameter, buffer and input tensor replaced by a fake
+    tensor on `device` (same shape, dtype and requires_grad; no data), in `mode`."""
+
+    class Runner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, *args: Any) -> Any:
+            return run(self.inner, *args)
+
+    def fake(tensor: Tensor) -> Tensor:
+        copy = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=device)
+        return copy.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else copy
+
+    with mode:
+        state = {f"inner.{name}": fake(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        args = [fake(t) if isinstance(t, Tensor) else t for t in inputs]
+        return torch.func.functional_call(Runner(), state, tuple(args))
+
+
 def codegen(
     graph: LayerGraph,
     plan: PipelinePlan,
@@ -131,12 +165,16 @@ def codegen(
     split_backward: bool | None = None,
     compile: bool = False,
     autocast: torch.dtype | None = None,
+    run_device: str | None = None,
 ) -> tuple[StageModule, ...]:
     """One StageModule per plan stage. `example_inputs` (+ `example_target` when the graph ends in
     a loss) is one full batch; `loss_fn` appends a loss when the graph has none; `model` (the
     original nn.Module) names tied parameters as the model does (default: the traced module).
     `autocast` (torch.bfloat16 or None): the example microbatch runs under torch.autocast, so the
-    cross-stage tensors' specs have the dtypes the engines' autocast forwards will send."""
+    cross-stage tensors' specs have the dtypes the engines' autocast forwards will send; autocast
+    casts by device type, so where the engines run on another one (`run_device`: "cuda" for an
+    NCCL cluster) or the model is on the meta device, that run is on fake tensors of the engines'
+    device type (`_fake_run`; CPU where this machine has no such device)."""
     if graph.module is None:
         raise TraceError("codegen needs LayerGraph.module (the traced GraphModule); a parsed graph has none")
     num_microbatches = num_microbatches or plan.num_microbatches
@@ -166,13 +204,15 @@ def codegen(
 
     first = microbatch(batch, num_microbatches)
     device = next((t.device for t in [*module.parameters(), *first] if isinstance(t, Tensor)), torch.device("cpu"))
-    if autocast is not None and device.type == "meta":
-        raise TraceError("codegen: autocast needs the example microbatch to run for real, to know the dtype autocast "
-                         "gives each tensor that crosses stages; a model on the meta device has no values: compile a "
-                         "real (CPU) copy with autocast, or drop autocast")
+    fake_mode = None
+    if autocast is not None and (device.type == "meta" or (run_device or device.type) != device.type):
+        fake_mode, device = _fake_device(run_device or "cpu")
     with torch.enable_grad(), amp.autocast(autocast, device):
         try:
-            _Recorder(module).run(*first)
+            if fake_mode is None:
+                _Recorder(module).run(*first)
+            else:
+                _fake_run(module, first, fake_mode, device, lambda gm, *args: _Recorder(gm).run(*args))
         except Exception as exc:  # noqa: BLE001 - the model's own ops on one microbatch: say why they may fail
             raise TraceError(
                 f"running one microbatch (every input cut along dim 0 into {num_microbatches}) failed: "
@@ -230,7 +270,8 @@ def codegen(
     crossing = [n for n in consumers if values[n].requires_grad]
     no_gradient: set[fx.Node] = set()
     if crossing and values[final].requires_grad:
-        grads = torch.autograd.grad(values[final], [values[n] for n in crossing], allow_unused=True)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            grads = torch.autograd.grad(values[final], [values[n] for n in crossing], allow_unused=True)
         no_gradient = {n for n, g in zip(crossing, grads) if g is None}
 
     def spec(node: fx.Node, readers: tuple[int, ...] = ()) -> TensorSpec:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import octopipe
-from octopipe.errors import ArgumentError, OctopipeError, TraceError
+from octopipe.errors import ArgumentError, OctopipeError
 from octopipe.passes.profile import profile_costs
 from octopipe.runtime import launch
 
@@ -133,12 +133,25 @@ def test_autocast_arguments_are_checked():
         pipe.engine(0, autocast=None)
     with pytest.raises(ArgumentError, match="compiled with autocast"):
         compile_with().engine(0, autocast="bf16")
+
+
+def test_a_meta_model_or_a_gpu_cluster_gets_the_dtypes_from_a_fake_run():
+    """A meta-device model has no values to run, and autocast casts by device type: compile runs
+    the example microbatch on fake tensors (of the engines' device type; the CPU here) and gets
+    the same cross-stage specs as a real run. Stage 0 ends at relu(up), which crosses in bf16."""
+    tokens, target = _batch()
+    options = dict(loss_fn=_loss, num_microbatches=2, schedule="1f1b", partition=[0, 2, 9], costs="analytic",
+                   quiet=True, autocast="bf16")
+    real = octopipe.compile(_model(), "cpux2", example_inputs=(tokens,), example_target=target, **options)
     with torch.device("meta"):
-        meta = Mixed()
-    with pytest.raises(TraceError, match="meta device"):
-        octopipe.compile(meta, "cpux2", example_inputs=(tokens.to("meta"),), example_target=target.to("meta"),
-                         loss_fn=_loss, num_microbatches=2, schedule="1f1b", costs="analytic", quiet=True,
-                         autocast="bf16")
+        meta_model = Mixed()
+    meta = octopipe.compile(meta_model, "cpux2", example_inputs=(tokens.to("meta"),),
+                            example_target=target.to("meta"), **options)
+    gpu = octopipe.compile(_model(), "h100x8", example_inputs=(tokens,), example_target=target, num_devices=2,
+                           **options)
+    specs = [[stage.outputs for stage in pipe.stages] for pipe in (real, meta, gpu)]
+    assert specs[0][0][0].dtype == torch.bfloat16
+    assert specs[0] == specs[1] == specs[2]
 
 
 def _mismatched_worker(rank, world_size, pipe):

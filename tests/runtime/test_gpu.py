@@ -52,3 +52,44 @@ def test_meta_model_built_on_each_gpu_matches_single_process(tmp_path):
     for loss, grads in results:
         assert loss == pytest.approx(reference_loss, rel=1e-4)
         assert_grads_close(grads, reference_grads, "meta")
+
+
+def _autocast_on_gpu(rank, world_size, pipe):
+    from test_autocast import _batch
+
+    device = torch.device("cuda", rank)
+    engine = pipe.engine(rank, device=device, timeout_s=60)
+    tokens, target = _batch()
+    loss = engine.step((tokens.to(device),), target.to(device))
+    return loss, {n: p.grad.cpu() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_on_gpus_matches_single_gpu_autocast_training():
+    # compiled for an NCCL cluster: the cross-stage dtypes come from a fake run on CUDA tensors,
+    # where autocast's lists are CUDA's (einsum and more in bf16, not only the CPU's matmuls)
+    import copy
+
+    from test_autocast import MICROBATCHES, _batch, _loss, _model
+
+    import octopipe
+
+    model = _model()
+    tokens, target = _batch()
+    pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=2, example_inputs=(tokens,),
+                            example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule="zb-h1",
+                            autocast="bf16", quiet=True)
+    results = launch(_autocast_on_gpu, 2, (pipe,), timeout_s=240, backend="nccl", start_method="spawn")
+    model = model.cuda()
+    total = 0.0
+    for x, y in zip(tokens.cuda().chunk(MICROBATCHES), target.cuda().chunk(MICROBATCHES)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = _loss(model(x), y) / MICROBATCHES
+        loss.backward()
+        total += loss.item()
+    reference = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    grads = {**results[0][1], **results[1][1]}
+    assert results[0][0] == pytest.approx(total, rel=1e-3)
+    scale = max(g.abs().max().item() for g in reference.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-2, atol=1e-3 * scale)
