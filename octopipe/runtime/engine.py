@@ -27,6 +27,9 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
   the microbatch losses' weighted sum (their mean, without `loss_weight`).
 
+`evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
+forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
+
 Gradients accumulate into `.grad` like `loss.backward()`; call `zero_grad()` (or
 `optimizer_step()`, which steps the attached optimizer and zeroes) between iterations.
 
@@ -179,6 +182,8 @@ class Engine:
         instruction's start is when its received inputs were there: waiting for a message is not
         counted as its work."""
         self._inputs_ready = 0.0
+        self._evaluating = False
+        self._eval_program: tuple[Instruction, ...] | None = None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._handlers = {
@@ -222,7 +227,7 @@ class Engine:
             for producer in stage.producers():
                 self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
 
-    def _check_batch(self, batch: tuple[Any, ...], num_inputs: int, count: int) -> None:
+    def _check_batch(self, batch: tuple[Any, ...], num_inputs: int, count: int, call: str) -> None:
         """Every batch tensor this rank's stages read is there, with the shape and dtype the
         pipeline was compiled for (its receive buffers and messages are sized by them)."""
         for index, stage in sorted(self.stages.items()):
@@ -232,17 +237,17 @@ class Engine:
                 what = "the target" if src.index >= num_inputs else f"input {src.index}"
                 if src.index >= len(batch):
                     raise ArgumentError(
-                        f"rank {self.rank}: stage {index} reads batch tensor {src.index} but step() got {num_inputs} "
+                        f"rank {self.rank}: stage {index} reads batch tensor {src.index} but {call} got {num_inputs} "
                         f"input(s) and {'a target' if len(batch) > num_inputs else 'no target'}; the pipeline computes "
-                        "the loss on its last stage: call step(inputs, target)")
+                        f"the loss on its last stage: call {call[:-2]}(inputs, target)")
                 tensor = batch[src.index]
                 if not isinstance(tensor, Tensor):
-                    raise ArgumentError(f"rank {self.rank}: step(): {what} must be a tensor, got {type(tensor).__name__}")
+                    raise ArgumentError(f"rank {self.rank}: {call}: {what} must be a tensor, got {type(tensor).__name__}")
                 spec = src.spec
                 expected = (spec.shape[0] * count, *spec.shape[1:]) if spec.shape else ()
                 if tuple(tensor.shape) != expected or tensor.dtype != spec.dtype:
                     raise ArgumentError(
-                        f"rank {self.rank}: step(): {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
+                        f"rank {self.rank}: {call}: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
                         f"was compiled for {expected} {spec.dtype} ({count} microbatches of {tuple(spec.shape)}); "
                         "every step takes a batch shaped like the example batch: compile again with one like this")
 
@@ -346,11 +351,39 @@ class Engine:
     def step(self, inputs: Sequence[Tensor], target: Tensor | None = None) -> float:
         """Run the program on one full batch (cut along dim 0 into microbatches): the loss, the mean
         of the microbatches' (weighted by `loss_weight` where given)."""
+        return self._run_program(self.program.instructions, inputs, target, "step()")
+
+    def evaluate(self, inputs: Sequence[Tensor], target: Tensor | None = None) -> float:
+        """The loss of one full batch with forwards only, as a validation pass computes it: every
+        stage module in eval mode (dropout off, BatchNorm on its running statistics), no autograd
+        graph, the microbatches' mean (weighted by `loss_weight`) on every rank, as `step` returns
+        it. Nothing else changes: no gradient is touched, the stages' random streams do not
+        advance, and each module's training flag is restored. A collective, like `step`: every
+        rank calls it. The program is this rank's training program without its backward half (its
+        forwards and their messages keep their order, so it runs wherever the training program
+        does); a recomputing stage just runs its forward."""
+        if self._eval_program is None:
+            kept = (InstrKind.RECV_ACT, InstrKind.SEND_ACT, InstrKind.FORWARD, InstrKind.STEP)
+            self._eval_program = tuple(i for i in self.program.instructions if i.kind in kept)
+        modes = {module: module.training for stage in self.stages.values() for module in stage.module.modules()}
+        self._evaluating = True
+        try:
+            for module in modes:
+                module.training = False
+            with torch.no_grad():
+                return self._run_program(self._eval_program, inputs, target, "evaluate()")
+        finally:
+            self._evaluating = False
+            for module, training in modes.items():
+                module.training = training
+
+    def _run_program(self, instructions: Sequence[Instruction], inputs: Sequence[Tensor], target: Tensor | None,
+                     call: str) -> float:
         batch = (*inputs, target) if target is not None else tuple(inputs)
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
         if any(kind == "batch" for fetch in self._fetch.values() for kind, _, _ in fetch):
-            self._check_batch(batch, len(tuple(inputs)), count)
+            self._check_batch(batch, len(tuple(inputs)), count, call)
             chunks = [t.to(self.device, non_blocking=True).chunk(count) for t in batch]
             self._micro = [tuple(chunk[m] for chunk in chunks) for m in range(count)]
         self._slots: dict[tuple[int, int], _Slot] = {}
@@ -362,13 +395,13 @@ class Engine:
         self._weights = [1.0 / count] * count
         if self.loss_weight is not None and any(stage.is_loss for stage in self.stages.values()):
             if target is None:
-                raise ArgumentError(f"rank {self.rank}: step(): this engine weighs microbatches by loss_weight(target) "
-                                    "but got no target: call step(inputs, target)")
-            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: step()")
+                raise ArgumentError(f"rank {self.rank}: {call}: this engine weighs microbatches by loss_weight(target) "
+                                    f"but got no target: call {call[:-2]}(inputs, target)")
+            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}")
         # a tied gradient is all-reduced: set aside what earlier steps accumulated, so only this
         # step's contributions are summed across ranks (added back at `step`)
         self._tied_earlier = {}
-        for name in sorted(self._tied_ranks):
+        for name in sorted(self._tied_ranks) if not self._evaluating else ():
             param = self._params.get(name)
             if param is not None:
                 self._tied_earlier[name] = param.grad
@@ -376,7 +409,7 @@ class Engine:
         handlers = self._handlers
         timeline = self.timeline
         clock = time.perf_counter
-        for position, instruction in enumerate(self.program.instructions):
+        for position, instruction in enumerate(instructions):
             self._position = position
             try:
                 if timeline is None:
@@ -491,6 +524,12 @@ class Engine:
                 value = received[a][position]
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
         slot = self._slot(index, m)
+        if self._evaluating:  # no graph to keep and no random stream to advance (dropout is off)
+            with amp.autocast(self.autocast, self.device):
+                slot.outputs = self._run(stage, args)
+            if stage.is_loss and self._weights[m]:
+                self._loss_sum += slot.outputs[0].float() * self._weights[m]
+            return
         slot.inputs = args
         with self._stage_random(index):
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
