@@ -441,10 +441,28 @@ class Pipeline:
     `compile(..., plan=p, costs=pipe.costs)` to measure it beside this plan."""
     autocast: Any = None
     """compile's autocast dtype (torch.bfloat16) or None, given to every engine."""
+    data_parallel: int = 1
+    """Replicas of the pipeline (compile's `data_parallel`): `world_size` is the plan's devices
+    times it, and rank r runs pipeline rank r // data_parallel of replica r % data_parallel."""
 
     @property
     def world_size(self) -> int:
-        return self.plan.num_devices
+        return self.plan.num_devices * self.data_parallel
+
+    @property
+    def data_parallel_ms(self) -> float:
+        """Estimated time of a step's gradient all-reduce across the replicas (the pipeline rank
+        with the most gradient bytes; `ClusterSpec.all_reduce_ms`), after the pipeline's own step
+        (`simulation.iteration_ms`); 0 without replicas."""
+        if self.data_parallel == 1:
+            return 0.0
+        from octopipe.passes.codegen import stages_on
+
+        most = 0.0
+        for rank in range(self.plan.num_devices):
+            params = {id(p): p for stage in stages_on(self.stages, self.plan, rank) for _, p in stage.named_parameters()}
+            most = max(most, sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad))
+        return self.cluster.all_reduce_ms(most, self.data_parallel)
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
@@ -459,11 +477,16 @@ class Pipeline:
             raise OctopipeError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
         options.setdefault("loss_weight", self.loss_weight)
         options.setdefault("autocast", self.autocast)
+        options.setdefault("data_parallel", self.data_parallel)
+        if options["data_parallel"] != self.data_parallel:
+            raise ArgumentError(f"pipe.engine: data_parallel={options['data_parallel']!r}, but the pipeline was compiled "
+                                f"for {self.data_parallel} replica(s); compile again with data_parallel= to change it")
         if autocast_dtype(options["autocast"], "pipe.engine(autocast=...)") != self.autocast:
             raise ArgumentError(f"pipe.engine: autocast={options['autocast']!r}, but the pipeline was compiled with "
                                 f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
                                 "compile again with the autocast to run")
-        return Engine(rank, self.world_size, stages_on(self.stages, self.plan, rank), self.programs[rank],
+        stage_rank = rank // self.data_parallel
+        return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
 
     def dump(self, level: str = "plan") -> str:
@@ -608,6 +631,7 @@ def compile(
     seq_dims: Mapping[str, int | None] | None = None,
     loss_weight: Callable[[Any], Any] | None = None,
     autocast: Any = None,
+    data_parallel: int = 1,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -634,7 +658,13 @@ def compile(
     per-token loss). Computed from the target on the loss stage's rank each step.
     autocast: None or "bf16" (torch.bfloat16): mixed precision, every stage's forward under
     torch.autocast as plain autocast training runs it (fp32 parameters and gradients; tensors cross
-    stages in autocast's dtypes; `costs="profile"` measures under it too; see `runtime/amp.py`)."""
+    stages in autocast's dtypes; `costs="profile"` measures under it too; see `runtime/amp.py`).
+    data_parallel: D replicas of the pipeline over the cluster's devices (Megatron's order: the D
+    copies of a pipeline rank are neighbouring ranks, `ClusterSpec.replica`); the plan is made for
+    one replica's devices (num_devices, if given, counts those), the example batch is one
+    replica's (what each rank's `step` takes), and each step sums the replicas' gradients, so they
+    train as one pipeline on the D batches together (`Pipeline.data_parallel_ms` estimates that
+    all-reduce; the planner does not weigh it)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, trace
@@ -644,6 +674,9 @@ def compile(
     seconds: dict[str, float] = {}
     cluster = ClusterSpec.of(cluster, "compile: cluster")
     autocast = autocast_dtype(autocast, "compile(autocast=...)")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ArgumentError(f"compile: data_parallel must be a positive integer (replicas), got {data_parallel!r}")
+    full_cluster, cluster = cluster, cluster.replica(data_parallel) if data_parallel > 1 else cluster
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -692,7 +725,8 @@ def compile(
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:
             raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has "
-                            f"{cluster.num_devices}")
+                            f"{cluster.num_devices}" + (f" per replica ({full_cluster.num_devices} in all, "
+                                                        f"{data_parallel} replicas)" if data_parallel > 1 else ""))
         simulation = timed("simulate", lambda: simulate(chosen, table, cluster, validated=True))  # checked above
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,
@@ -710,8 +744,8 @@ def compile(
         programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
-        return Pipeline(graph, table, chosen, programs, stages, cluster, num_microbatches, report, simulation, seconds,
-                        loss_weight, runners_up, autocast)
+        return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
+                        seconds, loss_weight, runners_up, autocast, data_parallel)
 
 
 def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:

@@ -105,12 +105,14 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     if hasattr(args, "microbatches") and args.microbatches is None:
         args.microbatches = saved.num_microbatches if saved is not None else 4
     if hasattr(args, "nprocs"):
+        replicas = getattr(args, "data_parallel", 1)
         if args.nprocs is None:
-            args.nprocs = saved.num_devices if saved is not None else 2
-        elif saved is not None and args.nprocs != saved.num_devices:
+            args.nprocs = (saved.num_devices if saved is not None else 2) * replicas
+        elif saved is not None and args.nprocs != saved.num_devices * replicas:
             from octopipe.errors import OctopipeError
 
-            raise OctopipeError(f"--nprocs {args.nprocs}: {plan_file} runs on {saved.num_devices} devices; drop "
+            times = f" x {replicas} replicas" if replicas > 1 else ""
+            raise OctopipeError(f"--nprocs {args.nprocs}: {plan_file} runs on {saved.num_devices} devices{times}; drop "
                                 "--nprocs (it defaults to the plan's) or plan again for this many")
     if getattr(args, "batch_size", "unset") is None:
         args.batch_size = _default_batch_size(max(1, getattr(args, "microbatches", 1) or 1))
@@ -539,6 +541,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
+    if args.nprocs % args.data_parallel:
+        raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
+                            "(it counts every rank of every replica)")
     planning_only = [flag for flag, given in (("--time-limit", args.time_limit is not None), ("--profile", args.profile),
                                               ("--candidates", args.candidates > 1)) if given]
     if (args.plan or args.schedule) and planning_only:
@@ -575,15 +580,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
-                            quiet=args.quiet, autocast=args.autocast)
+                            quiet=args.quiet, autocast=args.autocast, data_parallel=args.data_parallel)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
+    extra_ms = pipe.data_parallel_ms
+    if pipe.data_parallel > 1:
+        print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
+              f"processes), each on the same batch here; summing their gradients adds about {extra_ms:.1f} ms a step")
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
-    print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
+    print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms + extra_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     return EXIT_OK
 
@@ -602,7 +611,7 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
         return pipe
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
-                                       autocast=pipe.autocast)
+                                       autocast=pipe.autocast, data_parallel=pipe.data_parallel)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -658,15 +667,15 @@ def _train_distributed(args: argparse.Namespace) -> int:
         first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
                                  loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
                                  schedule=args.schedule, time_limit_s=args.time_limit or 10.0, quiet=args.quiet,
-                                 autocast=args.autocast)
+                                 autocast=args.autocast, data_parallel=args.data_parallel)
         plan_text = [str(first.plan)]
     dist.broadcast_object_list(plan_text, src=0)
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
-                            autocast=args.autocast)
+                            autocast=args.autocast, data_parallel=args.data_parallel)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
-        torch.manual_seed(rank)  # each rank draws its own stages' weights
+        torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
         init = models.init_module
     engine = pipe.engine(rank, device=device, init=init)
     inputs = tuple(t.to(device) for t in inputs)
@@ -732,6 +741,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
     words += ["--autocast", args.autocast] if args.autocast else []
+    words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 else []
     words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -837,6 +847,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="mixed precision: every forward under torch.autocast in bfloat16 (fp32 weights and gradients)")
+    p.add_argument("--data-parallel", type=_positive_int, default=1, metavar="D",
+                   help="D replicas of the pipeline, gradients summed each step (--nprocs counts all ranks: "
+                        "default 2 x D, or the plan's devices x D)")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

@@ -105,6 +105,33 @@ class ClusterSpec:
     def with_devices(self, num_devices: int) -> ClusterSpec:
         return dataclasses.replace(self, num_devices=num_devices)
 
+    def replica(self, data_parallel: int) -> ClusterSpec:
+        """The cluster one of `data_parallel` pipeline replicas sees, ranks ordered as Megatron
+        orders them (rank = pipeline rank x data_parallel + replica, the copies of a pipeline rank
+        side by side): every data_parallel-th device, so a node holds devices_per_node /
+        data_parallel of a replica's devices (one, where data_parallel fills a node or more)."""
+        where = f"ClusterSpec {self.name!r}: {data_parallel} data-parallel replicas"
+        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+            raise ClusterSpecError(f"{where}: the replica count must be a positive integer")
+        if self.num_devices % data_parallel:
+            raise ClusterSpecError(f"{where}: they must divide the {self.num_devices} devices")
+        per_node = self.devices_per_node
+        if per_node % data_parallel and data_parallel % per_node:
+            raise ClusterSpecError(f"{where}: the count must divide the {per_node} devices of a node or be a "
+                                   "multiple of it, so that every replica sees the same links")
+        return dataclasses.replace(self, num_devices=self.num_devices // data_parallel,
+                                   devices_per_node=max(1, per_node // data_parallel))
+
+    def all_reduce_ms(self, num_bytes: float, data_parallel: int) -> float:
+        """A ring all-reduce of `num_bytes` over the `data_parallel` copies of one pipeline rank
+        (neighbouring devices; inside a node where they fit in one): 2 (d - 1) / d of the bytes
+        each way and 2 (d - 1) latencies."""
+        if data_parallel <= 1:
+            return 0.0
+        bandwidth = self.intra_node_bandwidth if data_parallel <= self.devices_per_node else self.inter_node_bandwidth
+        steps = 2 * (data_parallel - 1)
+        return (steps * self.latency_s + steps / data_parallel * num_bytes / bandwidth) * 1e3
+
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -538,3 +538,20 @@ def test_train_and_dump_take_bf16_autocast(capsys):
     assert capsys.readouterr().out.rstrip().endswith("--autocast bf16")
     with pytest.raises(SystemExit):  # argparse: only bf16 (float16 would need loss scaling)
         main(["train", "--model", "gemma", "--autocast", "fp16"])
+
+
+@pytest.mark.timeout(300)
+def test_train_with_data_parallel_replicas(capsys):
+    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--schedule", "zb-h1", "--steps", "2",
+                 "--quiet"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "2 replicas of this 2-rank pipeline (4 processes)" in out
+    losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
+    # every replica trains on the same batch here: the same first loss as one pipeline alone
+    assert main(["train", "--model", "gemma", "--schedule", "zb-h1", "--steps", "1", "--quiet"]) == EXIT_OK
+    alone = float(re.search(r"^step 0: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE).group(1))
+    assert len(losses) == 2 and losses[0] == pytest.approx(alone, abs=1e-5)
+    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--nprocs", "8", "--torchrun"]) == EXIT_OK
+    assert "--nproc-per-node 8" in (line := capsys.readouterr().out) and line.rstrip().endswith("--data-parallel 2")
+    assert main(["train", "--model", "gemma", "--data-parallel", "3", "--nprocs", "4"]) == EXIT_ERROR
+    assert "not a multiple of --data-parallel 3" in capsys.readouterr().err

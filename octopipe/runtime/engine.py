@@ -27,6 +27,14 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
   the microbatch losses' weighted sum (their mean, without `loss_weight`).
 
+Data parallelism (`data_parallel` = D, `Replicas`): the world's ranks are D copies of the
+pipeline, rank = pipeline rank x D + replica; messages go to the peer's rank in the same replica,
+tied groups and the clipping norm stay within a replica, every microbatch weighs 1/D of its share
+(a `loss_weight` count is summed over the replicas), and `step` sums this step's gradients over the
+D copies of each pipeline rank (a flat all-reduce per dtype, after the tied ones) before adding
+back what earlier steps accumulated. The engine starts by broadcasting replica 0's parameters and
+buffers to the others, as DDP does.
+
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
 
@@ -85,16 +93,40 @@ def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, coun
     return counts
 
 
-def microbatch_weights(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
+def microbatch_weights(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str,
+                       total_of: Callable[[float], float] | None = None) -> list[float]:
     """Each microbatch's weight in the step's loss: its `loss_weight` count over the batch's. A
     token-mean loss weighted so is the token mean over the whole batch (each microbatch's mean
-    times its share of the tokens)."""
+    times its share of the tokens). `total_of(this batch's count)`: the count to divide by
+    instead (data parallelism: the sum over every replica's batch)."""
     counts = microbatch_counts(loss_weight, target, count, where)
-    total = sum(counts)
+    total = sum(counts) if total_of is None else total_of(sum(counts))
     if total <= 0:
         raise ArgumentError(f"{where}: loss_weight is 0 on every microbatch of this batch ({count}), so no "
                             "microbatch's loss counts (every token ignored?); skip such a batch")
     return [value / total for value in counts]
+
+
+class Replicas:
+    """Where a rank sits among `size` data-parallel replicas of a pipeline of `pipeline_size`
+    ranks (world = pipeline_size x size), in Megatron's order: rank = stage_rank x size + replica,
+    so the copies of one pipeline rank, which sum their gradients every step, are neighbours (in
+    one node where `size` divides the node's devices)."""
+
+    def __init__(self, rank: int, world_size: int, size: int) -> None:
+        self.size = size
+        self.pipeline_size = world_size // size
+        self.stage_rank, self.replica = divmod(rank, size)
+
+    def global_rank(self, stage_rank: int) -> int:
+        """The rank of pipeline rank `stage_rank` in this rank's replica."""
+        return stage_rank * self.size + self.replica
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [stage * self.size + replica for stage in range(self.pipeline_size)]
+
+    def data_ranks(self, stage_rank: int) -> list[int]:
+        return [stage_rank * self.size + replica for replica in range(self.size)]
 
 
 class _Slot:
@@ -129,6 +161,7 @@ class Engine:
         init: Init | None = None,
         loss_weight: Callable[[Tensor], Any] | None = None,
         autocast: torch.dtype | str | None = None,
+        data_parallel: int = 1,
     ) -> None:
         """`device`: where this rank runs; its stage modules are moved there (in place: build one
         engine per process). A model built on the meta device is created there instead, from
@@ -139,10 +172,19 @@ class Engine:
         so that the step computes a token mean over the whole batch; default: every microbatch
         weighs the same (see `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run
         every forward under torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs
-        must come from a compile with the same autocast."""
-        if program.rank != rank or program.num_ranks != world_size:
-            raise ExecutionError(f"rank {rank}: program is for rank {program.rank} of {program.num_ranks}, "
-                                 f"engine is rank {rank} of {world_size}")
+        must come from a compile with the same autocast. `data_parallel` = D: `world_size` ranks
+        are D replicas of the pipeline (see `Replicas`); `rank` is the process' own (global) rank
+        and `program` that of its pipeline rank, rank // D."""
+        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
+                or world_size % data_parallel:
+            raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
+                                f"divides the world size {world_size}")
+        self.replicas = Replicas(rank, world_size, data_parallel)
+        if program.rank != self.replicas.stage_rank or program.num_ranks != self.replicas.pipeline_size:
+            raise ExecutionError(f"rank {rank}: program is for pipeline rank {program.rank} of {program.num_ranks}, "
+                                 f"engine is pipeline rank {self.replicas.stage_rank} of {self.replicas.pipeline_size}"
+                                 + (f" (rank {rank} of {world_size} in {data_parallel} replicas)" if data_parallel > 1
+                                    else ""))
         self.rank = rank
         self.world_size = world_size
         self.program = program
@@ -170,11 +212,14 @@ class Engine:
         self._params = self._tie_local_parameters()
         self._plan_inputs()
         self._tied_groups = self._make_tied_groups()
+        self._data_group, self._pipeline_group = self._make_replica_groups()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
         """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
         if init is not None and not is_checkpoint(init):
             self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
+        if self.replicas.size > 1:
+            self._broadcast_from_first_replica()  # as DDP does: the replicas start equal, whatever each drew
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
@@ -258,11 +303,28 @@ class Engine:
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         groups = {}
+        replicas = self.replicas
         for ranks in sorted({tuple(r) for ranks_list in everyone for r in ranks_list}):
-            group = dist.new_group(list(ranks))  # every rank calls new_group, in the same order
-            if self.rank in ranks:
-                groups[tuple(ranks)] = group
+            for replica in range(replicas.size):  # every rank calls new_group, in the same order
+                group = dist.new_group([stage * replicas.size + replica for stage in ranks])
+                if replica == replicas.replica and replicas.stage_rank in ranks:
+                    groups[tuple(ranks)] = group
         return groups
+
+    def _make_replica_groups(self) -> tuple[Any, Any]:
+        """(this rank's data-parallel group: the copies of its pipeline rank; its replica's
+        pipeline group), both None without replicas. Collective: every rank creates every group."""
+        replicas = self.replicas
+        if replicas.size == 1 or not dist.is_initialized():
+            return None, None
+        data = pipeline = None
+        for stage in range(replicas.pipeline_size):
+            group = dist.new_group(replicas.data_ranks(stage))
+            data = group if stage == replicas.stage_rank else data
+        for replica in range(replicas.size):
+            group = dist.new_group(replicas.pipeline_ranks(replica))
+            pipeline = group if replica == replicas.replica else pipeline
+        return data, pipeline
 
     def _broadcast_tied(self) -> None:
         """Collective over each tie group: its lowest rank's value of every tied parameter."""
@@ -270,7 +332,7 @@ class Engine:
             ranks = self._tied_ranks[name]
             group = self._tied_groups.get(ranks)
             if group is not None:
-                dist.broadcast(self._params[name].data, src=min(ranks), group=group)
+                dist.broadcast(self._params[name].data, src=self.replicas.global_rank(min(ranks)), group=group)
 
     # -- parameters and optimizer ------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -320,7 +382,7 @@ class Engine:
             raise ExecutionError(f"rank {self.rank}: clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         norm_type = float(norm_type)
         counted = [param.grad for name, param in self._params.items()
-                   if param.grad is not None and self.rank == min(self._tied_ranks.get(name, (self.rank,)))]
+                   if param.grad is not None and self.replicas.stage_rank == min(self._tied_ranks.get(name, (self.replicas.stage_rank,)))]
         if norm_type == float("inf"):
             local = max((grad.detach().abs().max().double() for grad in counted), default=None)
             total = torch.zeros((), dtype=torch.float64, device=self.device) if local is None else local
@@ -330,8 +392,8 @@ class Engine:
             for grad in counted:
                 total += torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
             reduce_op = dist.ReduceOp.SUM
-        if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(total, op=reduce_op)
+        if self.world_size > 1 and dist.is_initialized():  # over this replica's ranks (the others hold the same)
+            dist.all_reduce(total, op=reduce_op, group=self._pipeline_group)
         norm = float(total) if norm_type == float("inf") else float(total) ** (1.0 / norm_type)
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
@@ -392,16 +454,20 @@ class Engine:
         self._reductions: list[Pending] = []
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self._loss: float = float("nan")
-        self._weights = [1.0 / count] * count
+        replicas = self.replicas.size  # each replica's microbatches weigh 1/replicas of the step: gradients sum
+        self._weights = [1.0 / (count * replicas)] * count
         if self.loss_weight is not None and any(stage.is_loss for stage in self.stages.values()):
             if target is None:
                 raise ArgumentError(f"rank {self.rank}: {call}: this engine weighs microbatches by loss_weight(target) "
                                     f"but got no target: call {call[:-2]}(inputs, target)")
-            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}")
-        # a tied gradient is all-reduced: set aside what earlier steps accumulated, so only this
-        # step's contributions are summed across ranks (added back at `step`)
+            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}",
+                                               self._total_over_replicas if replicas > 1 else None)
+        # a tied gradient is all-reduced (every gradient, with replicas): set aside what earlier
+        # steps accumulated, so only this step's contributions are summed across ranks (added back
+        # at `step`)
         self._tied_earlier = {}
-        for name in sorted(self._tied_ranks) if not self._evaluating else ():
+        for name in (sorted(self._params) if self.replicas.size > 1 else sorted(self._tied_ranks)) \
+                if not self._evaluating else ():
             param = self._params.get(name)
             if param is not None:
                 self._tied_earlier[name] = param.grad
@@ -444,7 +510,7 @@ class Engine:
         specs = [self.stages[consumer].inputs[k].spec for k in self._recv_layout[(producer, consumer)]]
         tags = [tag(KIND_ACT, producer, consumer, m, j) for j in range(len(specs))]
         self._inbox[(KIND_ACT, producer, consumer, m)] = self.transport.irecv(
-            [(s.shape, s.dtype) for s in specs], i.peer, tags, self._lazy_where(i))
+            [(s.shape, s.dtype) for s in specs], self.replicas.global_rank(i.peer), tags, self._lazy_where(i))
 
     def _recv_grad(self, i: Instruction) -> None:
         producer, consumer, m = i.stage, i.peer_stage, i.microbatch
@@ -454,7 +520,7 @@ class Engine:
             return
         tags = [tag(KIND_GRAD, producer, consumer, m, j) for j in range(len(specs))]
         self._inbox[(KIND_GRAD, producer, consumer, m)] = self.transport.irecv(
-            [(s.shape, s.dtype) for s in specs], i.peer, tags, self._lazy_where(i))
+            [(s.shape, s.dtype) for s in specs], self.replicas.global_rank(i.peer), tags, self._lazy_where(i))
 
     def _send(self, tensors: list[Tensor], i: Instruction, kind: int, producer: int, consumer: int) -> None:
         # drop finished sends first: a sent tensor is not kept alive until the end of the iteration
@@ -467,7 +533,8 @@ class Engine:
                     still.append(pending)
             self._outgoing = still
         tags = [tag(kind, producer, consumer, i.microbatch, j) for j in range(len(tensors))]  # type: ignore[arg-type]
-        self._outgoing.append(self.transport.isend(tensors, i.peer, tags, self._lazy_where(i)))  # type: ignore[arg-type]
+        peer = self.replicas.global_rank(i.peer)  # type: ignore[arg-type]
+        self._outgoing.append(self.transport.isend(tensors, peer, tags, self._lazy_where(i)))  # type: ignore[arg-type]
 
     def _send_act(self, i: Instruction) -> None:
         producer, consumer, m = i.stage, i.peer_stage, i.microbatch
@@ -661,6 +728,8 @@ class Engine:
         for pending in self._reductions:
             self.transport.finish(pending)
         self._reductions = []
+        if self.replicas.size > 1 and not self._evaluating:
+            self._reduce_over_replicas(i)
         for name, earlier in self._tied_earlier.items():
             if earlier is not None:
                 param = self._params[name]
@@ -675,6 +744,47 @@ class Engine:
         self._loss = float(loss)
         self._slots.clear()
         self._micro = []
+
+    def _broadcast_from_first_replica(self) -> None:
+        """Collective over each data-parallel group: replica 0's parameters and buffers, flat per
+        dtype, in name order."""
+        if self._data_group is None:
+            return
+        tensors = [t for _, t in sorted(self._params.items())] + [b for _, b in sorted(self.named_buffers())]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        source = self.replicas.data_ranks(self.replicas.stage_rank)[0]
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                dist.broadcast(flat, src=source, group=self._data_group)
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    def _total_over_replicas(self, total: float) -> float:
+        """The loss_weight count summed over this pipeline rank's replicas (the loss stage's ranks)."""
+        value = torch.tensor(total, dtype=torch.float64, device=self.device)
+        self.transport.finish(self.transport.all_reduce(value, f"rank {self.rank}: the batch's loss_weight count",
+                                                        self._data_group))
+        return float(value)
+
+    def _reduce_over_replicas(self, i: Instruction) -> None:
+        """Sum this step's gradients over the replicas of this pipeline rank (each microbatch
+        already weighs 1/replicas): one flat all-reduce per gradient dtype, in name order."""
+        grads = [param.grad for _, param in sorted(self._params.items()) if param.grad is not None]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in group])
+            self.transport.finish(self.transport.all_reduce(flat, self._where(i), self._data_group))
+            offset = 0
+            for grad in group:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
