@@ -2,7 +2,7 @@
 schedule for heterogeneous models. The public names are below; the README is the user's guide."""
 
 from octopipe import profiles, schedules
-from octopipe.api import Pipeline, PlanResult, compile, plan
+from octopipe.api import Pipeline, PlanResult, compile, plan, plan_data_parallel
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import (
     ArgumentError,
@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
-    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "simulate", "schedules", "profiles", "trace", "runtime",
+    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "plan_data_parallel", "simulate", "schedules", "profiles", "trace", "runtime",
     "OctopipeError", "ArgumentError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
     "InfeasibleError", "VerificationError", "ExecutionError", "OctopipeWarning",
 ]

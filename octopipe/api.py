@@ -15,7 +15,7 @@ from typing import Any
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import ArgumentError, InfeasibleError, OctopipeError, ParseError, PlanError
+from octopipe.errors import ArgumentError, ClusterSpecError, InfeasibleError, OctopipeError, ParseError, PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
@@ -192,6 +192,13 @@ def plan(
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
+    if cluster.data_parallel > 1:
+        summed = [r.end_ms - r.start_ms for r in final.reductions if r.name == "data-parallel"]
+        notes.append(f"data parallelism: these devices are one of {cluster.data_parallel} replicas; every plan's time "
+                     f"includes summing each device's gradients over its copies after its last backward (up to "
+                     f"{max(summed, default=0.0):.2f} ms in the chosen plan; the lower bounds leave it out)"
+                     + ("; the cost table has no param_bytes, so that is latency alone"
+                        if not any(layer.param_bytes for layer in costs.layers) else ""))
     again = [stage.index for stage in best_plan.stages if stage.recompute]
     if again:
         notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "
@@ -451,18 +458,11 @@ class Pipeline:
 
     @property
     def data_parallel_ms(self) -> float:
-        """Estimated time of a step's gradient all-reduce across the replicas (the pipeline rank
-        with the most gradient bytes; `ClusterSpec.all_reduce_ms`), after the pipeline's own step
-        (`simulation.iteration_ms`); 0 without replicas."""
-        if self.data_parallel == 1:
+        """The longest of the step's gradient all-reduces across the replicas, as the simulation
+        charges them (part of `simulation.iteration_ms`); 0 without replicas."""
+        if self.simulation is None:
             return 0.0
-        from octopipe.passes.codegen import stages_on
-
-        most = 0.0
-        for rank in range(self.plan.num_devices):
-            params = {id(p): p for stage in stages_on(self.stages, self.plan, rank) for _, p in stage.named_parameters()}
-            most = max(most, sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad))
-        return self.cluster.all_reduce_ms(most, self.data_parallel)
+        return max((r.end_ms - r.start_ms for r in self.simulation.reductions if r.name == "data-parallel"), default=0.0)
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
@@ -663,8 +663,8 @@ def compile(
     copies of a pipeline rank are neighbouring ranks, `ClusterSpec.replica`); the plan is made for
     one replica's devices (num_devices, if given, counts those), the example batch is one
     replica's (what each rank's `step` takes), and each step sums the replicas' gradients, so they
-    train as one pipeline on the D batches together (`Pipeline.data_parallel_ms` estimates that
-    all-reduce; the planner does not weigh it)."""
+    train as one pipeline on the D batches together (the simulation, and so the planner, charges
+    that all-reduce after each device's last backward: `Pipeline.data_parallel_ms`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, trace
@@ -746,6 +746,108 @@ def compile(
         timed("verify", lambda: verify(programs, chosen, links))
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
                         seconds, loss_weight, runners_up, autocast, data_parallel)
+
+
+@dataclass
+class ReplicaCount:
+    """One data-parallel replica count that `plan_data_parallel` tried."""
+
+    data_parallel: int
+    num_devices: int
+    """Devices per replica."""
+    num_microbatches: int
+    """Microbatches per replica."""
+    result: PlanResult | None = None
+    error: str = ""
+    """Why it has no plan (the replica cannot hold the model, ...)."""
+
+    @property
+    def step_ms(self) -> float:
+        """One step of the whole batch: a replica's iteration (they run side by side), all-reduce included."""
+        return self.result.report.iteration_ms if self.result is not None else math.inf
+
+
+@dataclass
+class DataParallelResult:
+    """`plan_data_parallel`'s choice: the replica count with the fastest step, and every count tried."""
+
+    best: PlanResult
+    data_parallel: int
+    tried: list[ReplicaCount]
+
+    def __str__(self) -> str:
+        lines = ["replicas x devices  microbatches each  step ms  all-reduce ms",
+                 "-------------------------------------------------------------"]
+        for row in self.tried:
+            mark = "*" if row.data_parallel == self.data_parallel else " "
+            if row.result is None:
+                lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17}  "
+                             f"no plan: {row.error}")
+                continue
+            summed = max((r.end_ms - r.start_ms for r in row.result.simulation.reductions if r.name == "data-parallel"),
+                         default=0.0)
+            lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17} "
+                         f"{row.step_ms:>8.2f} {summed:>14.2f}")
+        return "\n".join(lines) + "\n\n" + str(self.best.report)
+
+
+def plan_data_parallel(
+    costs: CostTable,
+    cluster: ClusterSpec | str,
+    num_microbatches: int,
+    *,
+    counts: Sequence[int] | None = None,
+    time_limit_s: float = 30.0,
+    quiet: bool = False,
+    **options: Any,
+) -> DataParallelResult:
+    """Choose how many data-parallel replicas to cut `cluster` into, with each one's plan.
+    `num_microbatches` is the whole batch's: D replicas take num_microbatches / D each. Every
+    count D (`counts`, default all) that divides the devices and the microbatches and that
+    `ClusterSpec.replica` accepts is planned on one replica (`plan`, with `options`, the time
+    limit shared out equally); the step of the whole batch is one replica's iteration (they run
+    side by side), their gradient all-reduce included. The fastest count wins (fewer replicas
+    on a tie); a count whose replica cannot plan (the model does not fit in memory, fewer layers
+    than devices) is listed with the reason."""
+    cluster = ClusterSpec.of(cluster, "plan_data_parallel: cluster")
+    if not any(layer.param_bytes for layer in costs.layers):
+        raise ArgumentError("plan_data_parallel: the cost table has no param_bytes, so every replica would hold no "
+                            "weights and all-reduce nothing, and the most replicas would always win; use costs of a "
+                            "model (compile's analytic or profiled ones, `octopipe plan --model`) or fill param_bytes")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ArgumentError(f"plan_data_parallel: num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if counts is None:
+        counts = [d for d in range(1, cluster.num_devices + 1) if cluster.num_devices % d == 0]
+    candidates = []
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ArgumentError(f"plan_data_parallel: replica counts must be positive integers, got {count!r}")
+        if cluster.num_devices % count or num_microbatches % count:
+            continue
+        try:
+            replica = cluster.replica(count)
+        except ClusterSpecError:
+            continue
+        candidates.append((count, replica))
+    if not candidates:
+        raise ArgumentError(f"plan_data_parallel: no replica count among {list(counts)} divides both the "
+                            f"{cluster.num_devices} devices (and a node's {cluster.devices_per_node}) and the "
+                            f"{num_microbatches} microbatches")
+    tried = []
+    share = time_limit_s / len(candidates)
+    for count, replica in candidates:
+        row = ReplicaCount(count, replica.num_devices, num_microbatches // count)
+        try:
+            row.result = plan(costs, replica, row.num_microbatches, time_limit_s=share, quiet=quiet, **options)
+        except OctopipeError as error:
+            row.error = str(error).splitlines()[0].split(" (")[0][:200]
+        tried.append(row)
+    planned = [row for row in tried if row.result is not None]
+    if not planned:
+        raise InfeasibleError("plan_data_parallel: no replica count has a plan: "
+                              + "; ".join(f"{row.data_parallel} replicas: {row.error}" for row in tried))
+    best = min(planned, key=lambda row: (row.step_ms, row.data_parallel))
+    return DataParallelResult(best.result, best.data_parallel, tried)  # type: ignore[arg-type]
 
 
 def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:

@@ -51,6 +51,11 @@ class ClusterSpec:
     (`octopipe.bench.calibrate_cpu_cluster` sets it to the measured link bandwidth)."""
     backend: str = "nccl"
     name: str = "custom"
+    data_parallel: int = 1
+    """Copies of the pipeline these devices are one replica of (`replica`): every step ends with
+    each device's gradients summed over its copies (`all_reduce_ms`), which the simulator charges."""
+    data_parallel_bandwidth: float = 0.0
+    """Bytes/s of the links between a device's copies (0: `intra_node_bandwidth`)."""
 
     def __post_init__(self) -> None:
         where = f"ClusterSpec {self.name!r}"
@@ -73,6 +78,11 @@ class ClusterSpec:
                                    f"copy), got {self.message_copy_bandwidth!r}")
         if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
             raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
+        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ClusterSpecError(f"{where}: data_parallel must be a positive integer, got {self.data_parallel!r}")
+        if not _is_number(self.data_parallel_bandwidth) or not 0 <= self.data_parallel_bandwidth < math.inf:
+            raise ClusterSpecError(f"{where}: data_parallel_bandwidth must be a finite number >= 0 (bytes/s; 0: the "
+                                   f"node's), got {self.data_parallel_bandwidth!r}")
         if self.backend not in ("nccl", "gloo"):
             raise ClusterSpecError(f"{where}: backend must be 'nccl' or 'gloo', got {self.backend!r}")
 
@@ -113,24 +123,31 @@ class ClusterSpec:
         where = f"ClusterSpec {self.name!r}: {data_parallel} data-parallel replicas"
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
             raise ClusterSpecError(f"{where}: the replica count must be a positive integer")
+        if self.data_parallel > 1:
+            raise ClusterSpecError(f"{where}: this spec is already one of {self.data_parallel} replicas")
         if self.num_devices % data_parallel:
             raise ClusterSpecError(f"{where}: they must divide the {self.num_devices} devices")
         per_node = self.devices_per_node
         if per_node % data_parallel and data_parallel % per_node:
             raise ClusterSpecError(f"{where}: the count must divide the {per_node} devices of a node or be a "
                                    "multiple of it, so that every replica sees the same links")
+        if data_parallel == 1:
+            return self
+        bandwidth = self.intra_node_bandwidth if data_parallel <= per_node else self.inter_node_bandwidth
         return dataclasses.replace(self, num_devices=self.num_devices // data_parallel,
-                                   devices_per_node=max(1, per_node // data_parallel))
+                                   devices_per_node=max(1, per_node // data_parallel), data_parallel=data_parallel,
+                                   data_parallel_bandwidth=bandwidth, name=f"{self.name}/{data_parallel}")
 
-    def all_reduce_ms(self, num_bytes: float, data_parallel: int) -> float:
-        """A ring all-reduce of `num_bytes` over the `data_parallel` copies of one pipeline rank
-        (neighbouring devices; inside a node where they fit in one): 2 (d - 1) / d of the bytes
-        each way and 2 (d - 1) latencies."""
-        if data_parallel <= 1:
+    def all_reduce_ms(self, num_bytes: float) -> float:
+        """A ring all-reduce of `num_bytes` of one device's gradients over its `data_parallel`
+        copies (neighbouring devices; inside a node where they fit in one): 2 (d - 1) / d of the
+        bytes each way and 2 (d - 1) latencies; 0 without copies."""
+        copies = self.data_parallel
+        if copies <= 1:
             return 0.0
-        bandwidth = self.intra_node_bandwidth if data_parallel <= self.devices_per_node else self.inter_node_bandwidth
-        steps = 2 * (data_parallel - 1)
-        return (steps * self.latency_s + steps / data_parallel * num_bytes / bandwidth) * 1e3
+        bandwidth = self.data_parallel_bandwidth or self.intra_node_bandwidth
+        steps = 2 * (copies - 1)
+        return (steps * self.latency_s + steps / copies * num_bytes / bandwidth) * 1e3
 
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

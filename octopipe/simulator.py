@@ -22,6 +22,11 @@ all-reduce of k devices takes 2(k-1) x (latency + bytes / k / bandwidth) over th
 among them, plus one message's host overhead. A device takes part in its tied all-reduces one after
 another, in table order. On one device a tied parameter is held (and counted in memory) once.
 
+Data parallelism (`cluster.data_parallel` = D > 1, a `ClusterSpec.replica`): after its last B/W
+and its tied all-reduces, every device sums its gradients (its stages' parameter bytes, a tied
+one once) with its D - 1 copies, `cluster.all_reduce_ms`, and the iteration ends when the last
+device has (`Reduction` named "data-parallel"); as the runtime does, after the pipeline's work.
+
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
@@ -154,7 +159,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Reduction:
-    """The all-reduce of a tied parameter's gradient among the devices holding its layers."""
+    """The all-reduce of a tied parameter's gradient among the devices holding its layers, or
+    (named "data-parallel") of one device's gradients over its data-parallel copies."""
 
     name: str
     devices: tuple[int, ...]
@@ -306,8 +312,12 @@ class SimResult:
                 f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
             )
         for reduction in self.reductions:
-            lines.append(f"tied {reduction.name}: all-reduce on devices {list(reduction.devices)} "
-                         f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
+            if reduction.name == "data-parallel":
+                lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients all-reduced over its "
+                             f"{self.cluster.data_parallel} copies {reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
+            else:
+                lines.append(f"tied {reduction.name}: all-reduce on devices {list(reduction.devices)} "
+                             f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
         return "\n".join(lines)
 
 
@@ -586,8 +596,8 @@ def _run(
     for stage in range(num_stages):
         static[stage_device[stage]] += sc.params[stage] * memory.state_bytes_per_param_byte
     reductions = []
+    reduced_until = [0.0] * num_devices
     if costs.tied:
-        reduced_until = [0.0] * num_devices
         for name, size, holders in _tied_holders(plan, costs):
             for device, count in holders.items():  # the layers on one device share one copy
                 static[device] -= (count - 1) * size * memory.state_bytes_per_param_byte
@@ -603,6 +613,20 @@ def _run(
                 reduced_until[d] = end
             iteration = max(iteration, end)
             reductions.append(Reduction(name, devices, start, end))
+    if cluster.data_parallel > 1:
+        gradient_bytes = [0.0] * num_devices
+        for stage in range(num_stages):
+            gradient_bytes[stage_device[stage]] += sc.params[stage]
+        for _, size, holders in _tied_holders(plan, costs) if costs.tied else ():
+            for device, count in holders.items():
+                gradient_bytes[device] -= (count - 1) * size
+        for device in range(num_devices):
+            if not device_ops[device]:
+                continue
+            start = max(_last_gradient_end(device_ops[device], done, per_kind, num_micro), reduced_until[device])
+            end = start + cluster.all_reduce_ms(gradient_bytes[device]) + cluster.message_overhead_ms
+            iteration = max(iteration, end)
+            reductions.append(Reduction("data-parallel", (device,), start, end))
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
 

@@ -324,3 +324,18 @@ def test_plans_that_visit_devices_in_the_same_order_are_one_shape():
     assert shape([0, 1]) == shape([1, 0]) == shape([1, 1, 0, 0])
     assert len({shape([0, 1]), shape([0, 1, 1, 0]), shape([0, 1, 0, 1])}) == 3
     assert shape([0, 1, 1, 0]) == shape([1, 0, 0, 1])
+
+
+def test_a_plan_for_one_data_parallel_replica_prices_its_gradient_all_reduces():
+    costs = heterogeneous(5, num_layers=10, params=2**28)  # 256 MiB of parameters a layer
+    cluster = ClusterSpec.preset("h100x16").replica(4)  # 4 replicas of 4 devices, each device's copies in a node
+    result = octopipe.plan(costs, cluster, 8, quiet=True, effort=0.03)
+    check_result(result, costs, cluster)
+    copies = {r.devices[0]: r for r in result.simulation.reductions if r.name == "data-parallel"}
+    assert set(copies) == set(result.plan.placement)  # every device that holds a stage
+    for device, reduction in copies.items():
+        layers = sum(s.layer_end - s.layer_start for s in result.plan.stages if s.device == device)
+        assert reduction.end_ms - reduction.start_ms == pytest.approx(cluster.all_reduce_ms(layers * 2**28))
+    alone = simulate(result.plan, costs, replace(cluster, data_parallel=1))
+    assert result.report.iteration_ms > alone.iteration_ms
+    assert "one of 4 replicas" in str(result.report)

@@ -394,3 +394,32 @@ device 1: 1F0 1B0
     result = simulate(plan, skip_table(4, (0, (3,), 3_000_000)), cluster)
     (act,) = [t for t in result.transfers if t.kind == "act"]
     assert act.end_ms - act.start_ms == pytest.approx(4.0)  # layer 1's 1 MB and layer 0's 3 MB
+
+
+def test_data_parallel_copies_sum_each_devices_gradients_after_its_last_backward():
+    # 2 replicas of this 2-device pipeline on 4 devices of a node: each device's gradients (its
+    # layers' parameter bytes, the tied one once) all-reduced over its 2 copies after its last
+    # B and its tied all-reduce; the iteration ends with the slower
+    full = ClusterSpec(num_devices=4, devices_per_node=4, intra_node_bandwidth=1e9, latency_s=1e-3)
+    cluster = full.replica(2)
+    assert (cluster.num_devices, cluster.devices_per_node, cluster.data_parallel) == (2, 2, 2)
+    split = plan_of(FOUR_ON_TWO.format(d1=0, d2=1, d3=1, ops0="0F0 1F0 1B0 0B0", ops1="2F0 3F0 3B0 2B0"))
+    costs = tied_table(2_000_000, params=1_000_000)
+    alone = simulate(split, costs, replace(cluster, data_parallel=1))
+    result = simulate(split, costs, cluster)
+    tied, *copies = result.reductions
+    assert [r.name for r in copies] == ["data-parallel"] * 2 and [r.devices for r in copies] == [(0,), (1,)]
+    for reduction in copies:
+        assert reduction.start_ms == pytest.approx(tied.end_ms)  # after each device's share of the tied one
+        # a ring of 2: 2 steps of (1 ms + half of the device's 2 MB of layers at 1 GB/s)
+        assert reduction.end_ms - reduction.start_ms == pytest.approx(2 * (1.0 + 1.0))
+    assert result.iteration_ms == pytest.approx(alone.iteration_ms + 4.0)
+    assert iteration_time(split, costs, cluster)[0] == pytest.approx(result.iteration_ms)
+    assert "device 1's gradients all-reduced over its 2 copies" in str(result)
+    # copies across nodes use the inter-node links
+    wide = ClusterSpec(num_devices=16, devices_per_node=8, inter_node_bandwidth=1e8).replica(16)
+    assert wide.data_parallel_bandwidth == 1e8 and wide.devices_per_node == 1
+    with pytest.raises(ClusterSpecError, match="already one of 2 replicas"):
+        cluster.replica(2)
+    with pytest.raises(ClusterSpecError, match="data_parallel must be a positive integer"):
+        replace(cluster, data_parallel=0)
