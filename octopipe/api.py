@@ -193,10 +193,9 @@ def plan(
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
     if cluster.data_parallel > 1:
-        summed = [r.end_ms - r.start_ms for r in final.reductions if r.name == "data-parallel"]
         notes.append(f"data parallelism: these devices are one of {cluster.data_parallel} replicas; every plan's time "
                      f"includes summing each device's gradients over its copies after its last backward (up to "
-                     f"{max(summed, default=0.0):.2f} ms in the chosen plan; the lower bounds leave it out)"
+                     f"{final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave it out)"
                      + ("; the cost table has no param_bytes, so that is latency alone"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
     again = [stage.index for stage in best_plan.stages if stage.recompute]
@@ -460,9 +459,7 @@ class Pipeline:
     def data_parallel_ms(self) -> float:
         """The longest of the step's gradient all-reduces across the replicas, as the simulation
         charges them (part of `simulation.iteration_ms`); 0 without replicas."""
-        if self.simulation is None:
-            return 0.0
-        return max((r.end_ms - r.start_ms for r in self.simulation.reductions if r.name == "data-parallel"), default=0.0)
+        return self.simulation.data_parallel_ms if self.simulation is not None else 0.0
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
@@ -784,10 +781,8 @@ class DataParallelResult:
                 lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17}  "
                              f"no plan: {row.error}")
                 continue
-            summed = max((r.end_ms - r.start_ms for r in row.result.simulation.reductions if r.name == "data-parallel"),
-                         default=0.0)
             lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17} "
-                         f"{row.step_ms:>8.2f} {summed:>14.2f}")
+                         f"{row.step_ms:>8.2f} {row.result.simulation.data_parallel_ms:>14.2f}")
         return "\n".join(lines) + "\n\n" + str(self.best.report)
 
 

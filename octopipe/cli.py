@@ -82,6 +82,16 @@ def _activation_limit_arg(text: str) -> float | str | None:
         raise argparse.ArgumentTypeError(f"must be GiB per device (a positive number), 1f1b or none, got {text!r}") from None
 
 
+def _replicas_arg(text: str) -> int | str:
+    """A replica count, or 'auto' (plan every count, keep the fastest step)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a replica count (a positive integer) or auto, got {text!r}") from None
+
+
 def _resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on other arguments: the microbatch count of a given plan, and a batch
     size that divides into the microbatches. Notes which model options were given, so options
@@ -93,11 +103,15 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     if args.command in ("simulate", "show"):
         return  # the microbatches (and so the batch size) are each plan file's own, set in _plan_inputs
     plan_file = getattr(args, "plan", None)
-    saved = None
+    saved = saved_replicas = None
     if plan_file and Path(plan_file).exists():  # (a missing one is reported where it is used)
-        from octopipe.api import load_plan
+        from octopipe.api import load_saved_plan
 
-        saved = load_plan(plan_file)
+        context = load_saved_plan(plan_file)
+        saved = context.plan
+        saved_replicas = context.cluster.data_parallel if context.cluster is not None else None
+    if args.command == "train" and args.data_parallel is None:  # the plan's own replica count, else one
+        args.data_parallel = saved_replicas or 1
     if saved is not None and getattr(args, "devices", None) and args.devices != saved.num_devices:
         from octopipe.errors import OctopipeError
 
@@ -384,15 +398,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from octopipe.api import plan
+    from octopipe.api import plan, plan_data_parallel
     from octopipe.errors import OctopipeError
 
     _writable(args.output, "-o")
     if args.runners_up and not args.output:
         raise OctopipeError("plan --runners-up: they are written beside the plan file; give -o PLAN as well")
     cluster = _cluster(args)
-    if args.data_parallel > 1:  # plan one replica; its devices' gradient all-reduces are priced
-        cluster = cluster.replica(args.data_parallel)
+    replicas = args.data_parallel
+    if replicas == "auto" and (args.devices or args.runners_up):
+        raise OctopipeError(f"plan --data-parallel auto: {'--devices' if args.devices else '--runners-up'} applies "
+                            "to one replica count; give the count (--data-parallel D) with it")
+    if replicas != "auto" and replicas > 1:  # plan one replica; its devices' gradient all-reduces are priced
+        cluster = cluster.replica(replicas)
     started = time.perf_counter()
     costs, _ = _costs_from(args, cluster)
     if args.model and not args.quiet:
@@ -402,11 +420,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit: float | str | None = args.activation_limit
     if isinstance(limit, float):
         limit *= 2**30
-    result = plan(costs, cluster, args.microbatches, num_devices=args.devices, time_limit_s=args.time_limit,
-                  memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
-                  activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
-                  min_gain=args.min_gain / 100, recompute=not args.no_recompute)
-    print(result.report)
+    options = dict(time_limit_s=args.time_limit,
+                   memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
+                   activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
+                   min_gain=args.min_gain / 100, recompute=not args.no_recompute)
+    if replicas == "auto":
+        chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
+        print(chosen)
+        print(f"chosen: {chosen.data_parallel} replica(s) of {chosen.best.plan.num_devices} devices, "
+              f"{chosen.best.plan.num_microbatches} microbatches each (train --data-parallel {chosen.data_parallel})")
+        result = chosen.best
+    else:
+        result = plan(costs, cluster, args.microbatches, num_devices=args.devices, **options)
+        print(result.report)
     if args.output:
         path = Path(args.output)
         try:
@@ -802,9 +828,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="return the best baseline that fits unless the searched plan is at least PCT%% faster on paper")
     p.add_argument("--no-recompute", action="store_true",
                    help="never recompute activations (by default the search may, where memory holds microbatches back)")
-    p.add_argument("--data-parallel", type=_positive_int, default=1, metavar="D",
+    p.add_argument("--data-parallel", type=_replicas_arg, default=1, metavar="D|auto",
                    help="plan one of D replicas over the cluster's devices (each device's gradients all-reduced "
-                        "over its D copies every step, in the plan's time)")
+                        "over its D copies every step, in the plan's time; --microbatches is then each replica's); "
+                        "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
+                        "keep the fastest step")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")
@@ -852,9 +880,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="mixed precision: every forward under torch.autocast in bfloat16 (fp32 weights and gradients)")
-    p.add_argument("--data-parallel", type=_positive_int, default=1, metavar="D",
-                   help="D replicas of the pipeline, gradients summed each step (--nprocs counts all ranks: "
-                        "default 2 x D, or the plan's devices x D)")
+    p.add_argument("--data-parallel", type=_positive_int, default=None, metavar="D",
+                   help="D replicas of the pipeline, gradients summed each step (default: a plan file's count, "
+                        "else 1; --nprocs counts all ranks: default 2 x D, or the plan's devices x D)")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

@@ -177,7 +177,8 @@ class SimResult:
     static_memory_bytes: tuple[float, ...]
     peak_activation_bytes: tuple[float, ...]
     reductions: tuple[Reduction, ...]
-    """Tied-parameter all-reduces, in the order they run (empty when no tied parameter spans devices)."""
+    """Tied-parameter all-reduces, in the order they run (empty when no tied parameter spans
+    devices), then with data parallelism each device's all-reduce over its copies."""
     _starts: list[float] = field(repr=False)
     _ends: list[float] = field(repr=False)
     _pred: list[int] = field(repr=False)
@@ -253,6 +254,11 @@ class SimResult:
     @property
     def peak_memory_bytes(self) -> tuple[float, ...]:
         return tuple(s + a for s, a in zip(self.static_memory_bytes, self.peak_activation_bytes))
+
+    @property
+    def data_parallel_ms(self) -> float:
+        """The longest of the devices' gradient all-reduces over their data-parallel copies (0 without)."""
+        return max((r.end_ms - r.start_ms for r in self.reductions if r.name == "data-parallel"), default=0.0)
 
     # -- critical path ------------------------------------------------------------------------
     @cached_property

@@ -215,6 +215,22 @@ def _torchrun_train(extra, tmp_path):
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
 
 
+def _small_paper_checkpoint(tmp_path, seed):
+    """The shrunk paper llama (SMALL_PAPER), saved as a plain state dict, with its batch."""
+    import torch
+
+    from octopipe import models
+
+    fields = {key: int(value) for key, value in (item.split("=") for item in SMALL_PAPER[1::2])}
+    torch.manual_seed(seed)
+    model = models.build("llama", "paper", **fields)
+    checkpoint = tmp_path / "plain.pt"
+    torch.save(model.state_dict(), checkpoint)
+    inputs = models.example_inputs("llama", "paper", batch_size=8, **fields)
+    target = models.example_target("llama", "paper", batch_size=8, **fields)
+    return model, checkpoint, inputs, target
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_trains_a_paper_size_model_under_bf16_autocast(tmp_path):
     # the meta-device model's cross-stage dtypes come from a run on fake tensors; the first loss
@@ -223,13 +239,7 @@ def test_torchrun_trains_a_paper_size_model_under_bf16_autocast(tmp_path):
 
     from octopipe import models
 
-    fields = {key: int(value) for key, value in (item.split("=") for item in SMALL_PAPER[1::2])}
-    torch.manual_seed(4)
-    model = models.build("llama", "paper", **fields)
-    checkpoint = tmp_path / "plain.pt"
-    torch.save(model.state_dict(), checkpoint)
-    inputs = models.example_inputs("llama", "paper", batch_size=8, **fields)
-    target = models.example_target("llama", "paper", batch_size=8, **fields)
+    model, checkpoint, inputs, target = _small_paper_checkpoint(tmp_path, seed=4)
     with torch.no_grad():
         plain = models.lm_loss(model(*inputs), target).item()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -252,14 +262,7 @@ def test_torchrun_trains_a_paper_size_model_each_rank_building_only_its_stages(t
 
     from octopipe import models
 
-    fields = dict(item.split("=") for item in SMALL_PAPER[1::2])
-    fields = {key: int(value) for key, value in fields.items()}
-    torch.manual_seed(3)
-    model = models.build("llama", "paper", **fields)
-    checkpoint = tmp_path / "plain.pt"
-    torch.save(model.state_dict(), checkpoint)
-    inputs = models.example_inputs("llama", "paper", batch_size=8, **fields)
-    target = models.example_target("llama", "paper", batch_size=8, **fields)
+    model, checkpoint, inputs, target = _small_paper_checkpoint(tmp_path, seed=3)
     with torch.no_grad():
         expected = models.lm_loss(model(*inputs), target).item()
     losses = _torchrun_train(["--steps", "1", "--init", str(checkpoint)], tmp_path)
@@ -571,3 +574,22 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
     assert main(["train", "--model", "llama", "--plan", str(plan_path), "--nprocs", "8", "--data-parallel", "2",
                  "--torchrun"]) == EXIT_ERROR
     assert "runs on 8 devices x 2 replicas" in capsys.readouterr().err
+
+
+def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gemma", "--cluster", "h100x8", "--microbatches", "8", "--data-parallel", "auto",
+                 "--time-limit", "4", "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "replicas x devices" in out
+    chosen = re.search(r"^chosen: (\d+) replica\(s\) of (\d+) devices, (\d+) microbatches each", out, re.MULTILINE)
+    replicas, devices, microbatches = map(int, chosen.groups())
+    assert replicas * devices == 8 and replicas * microbatches == 8
+    saved = json.loads(plan_path.read_text())
+    assert saved["num_devices"] == devices and saved["planned_with"]["cluster"]["data_parallel"] == replicas
+    assert main(["train", "--model", "gemma", "--plan", str(plan_path), "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert f"--nproc-per-node {min(8, devices * replicas)}" in line
+    assert (f"--data-parallel {replicas}" in line) == (replicas > 1)
+    assert main(["plan", "--model", "gemma", "--data-parallel", "auto", "--devices", "4"]) == EXIT_ERROR
+    assert "applies to one replica count" in capsys.readouterr().err

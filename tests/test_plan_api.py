@@ -339,3 +339,28 @@ def test_a_plan_for_one_data_parallel_replica_prices_its_gradient_all_reduces():
     alone = simulate(result.plan, costs, replace(cluster, data_parallel=1))
     assert result.report.iteration_ms > alone.iteration_ms
     assert "one of 4 replicas" in str(result.report)
+
+
+def test_plan_data_parallel_keeps_the_replica_count_with_the_fastest_step():
+    costs = heterogeneous(6, num_layers=12, params=2**30)  # 1 GiB of parameters a layer, more in gradients and state
+    cluster = ClusterSpec.preset("h100x8")
+    options = dict(quiet=True, effort=0.02, solver=False, memory_limit_bytes=100 * GiB)
+    result = octopipe.plan_data_parallel(costs, cluster, 16, **options)
+    assert [row.data_parallel for row in result.tried] == [1, 2, 4, 8]
+    assert [(row.num_devices, row.num_microbatches) for row in result.tried] == [(8, 16), (4, 8), (2, 4), (1, 2)]
+    # one device cannot hold 12 layers' weights, gradients and optimizer state in 100 GiB
+    assert result.tried[-1].result is None and "no plan fits" in result.tried[-1].error
+    planned = [row for row in result.tried if row.result is not None]
+    assert len(planned) >= 2
+    best = min(planned, key=lambda row: row.step_ms)
+    assert result.data_parallel == best.data_parallel and result.best is best.result
+    for row in planned:  # each is the plan of one replica of that count, all-reduce included
+        alone = octopipe.plan(costs, cluster.replica(row.data_parallel), row.num_microbatches, **options)
+        assert row.step_ms == pytest.approx(alone.report.iteration_ms)
+        check_result(row.result, costs, cluster.replica(row.data_parallel), memory_limit=100 * GiB)
+    text = str(result)
+    assert f"*{result.data_parallel:>3} x" in text and "no plan: no plan fits" in text
+    with pytest.raises(octopipe.ArgumentError, match="no param_bytes"):
+        octopipe.plan_data_parallel(heterogeneous(6), cluster, 16, **options)
+    with pytest.raises(octopipe.ArgumentError, match="no replica count among"):
+        octopipe.plan_data_parallel(costs, cluster, 15, counts=(2, 4), **options)

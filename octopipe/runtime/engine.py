@@ -381,8 +381,9 @@ class Engine:
         if not max_norm > 0:
             raise ExecutionError(f"rank {self.rank}: clip_grad_norm_: max_norm must be > 0, got {max_norm}")
         norm_type = float(norm_type)
+        me = self.replicas.stage_rank
         counted = [param.grad for name, param in self._params.items()
-                   if param.grad is not None and self.replicas.stage_rank == min(self._tied_ranks.get(name, (self.replicas.stage_rank,)))]
+                   if param.grad is not None and me == min(self._tied_ranks.get(name, (me,)))]
         if norm_type == float("inf"):
             local = max((grad.detach().abs().max().double() for grad in counted), default=None)
             total = torch.zeros((), dtype=torch.float64, device=self.device) if local is None else local
