@@ -805,8 +805,9 @@ class Engine:
             load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
-        """Collective: the merged state of all ranks on rank `dst` (None elsewhere)."""
-        shard = self.state_dict()
+        """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
+        replicas, replica 0's ranks hold it all; the others send nothing."""
+        shard = self.state_dict() if self.replicas.replica == 0 else {"model": {}}
         if self.world_size == 1 or not dist.is_initialized():
             return merge_state_dicts([shard])
         cpu_shard = _to_cpu(shard)

@@ -127,17 +127,19 @@ def test_data_parallel_arguments():
     assert octopipe.ClusterSpec.preset("h100x16").replica(8).devices_per_node == 1
 
 
-def _drawn_worker(rank, world_size):
+def _drawn_worker(rank, world_size, path):
     pipe = _pipe("1f1b", False)
     torch.manual_seed(rank)  # every rank draws different weights
     engine = pipe.engine(rank, init="reset", timeout_s=60)
+    engine.save_checkpoint(path)  # replica 0's shards, merged on rank 0
     return {name: p.detach().clone() for name, p in engine.named_parameters()}
 
 
 @pytest.mark.timeout(120)
-def test_replicas_start_from_the_first_replicas_weights():
+def test_replicas_start_from_the_first_replicas_weights_and_checkpoint_once(tmp_path):
     # as DDP does at construction: whatever each rank drew, replica 1 takes replica 0's values
-    per_rank = launch(_drawn_worker, 4, timeout_s=90)
+    path = tmp_path / "replicas.pt"
+    per_rank = launch(_drawn_worker, 4, args=(str(path),), timeout_s=90)
     for stage in range(2):
         first, second = per_rank[stage * REPLICAS], per_rank[stage * REPLICAS + 1]
         assert set(first) == set(second) and first
@@ -145,3 +147,11 @@ def test_replicas_start_from_the_first_replicas_weights():
             assert torch.equal(first[name], second[name]), name
     embed = "embed.weight"
     assert not torch.equal(per_rank[0][embed], _model().state_dict()[embed])  # drawn, not the model's own
+    saved = torch.load(path, weights_only=True)["model"]
+    held = {**per_rank[0], **per_rank[2]}  # replica 0's pipeline: every parameter once
+    assert set(held) <= set(saved)
+    for name, value in held.items():
+        assert torch.equal(saved[name], value), name
+    plain = _model()
+    octopipe.runtime.load_into_model(plain, {"model": saved})  # a checkpoint of the whole model
+    assert torch.equal(plain.embed.weight, held[embed])
