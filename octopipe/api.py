@@ -194,9 +194,9 @@ def plan(
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
     if cluster.data_parallel > 1:
         notes.append(f"data parallelism: these devices are one of {cluster.data_parallel} replicas; every plan's time "
-                     f"includes summing each device's gradients over its copies after its last backward (up to "
-                     f"{final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave it out)"
-                     + ("; the cost table has no param_bytes, so that is latency alone"
+                     "includes summing each stage's gradients over its copies once its backward is done (a device's "
+                     f"take up to {final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave them out)"
+                     + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
     again = [stage.index for stage in best_plan.stages if stage.recompute]
     if again:
@@ -661,7 +661,7 @@ def compile(
     one replica's devices (num_devices, if given, counts those), the example batch is one
     replica's (what each rank's `step` takes), and each step sums the replicas' gradients, so they
     train as one pipeline on the D batches together (the simulation, and so the planner, charges
-    that all-reduce after each device's last backward: `Pipeline.data_parallel_ms`)."""
+    those all-reduces, a bucket per stage once its backward is done: `Pipeline.data_parallel_ms`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, trace

@@ -52,8 +52,9 @@ class ClusterSpec:
     backend: str = "nccl"
     name: str = "custom"
     data_parallel: int = 1
-    """Copies of the pipeline these devices are one replica of (`replica`): every step ends with
-    each device's gradients summed over its copies (`all_reduce_ms`), which the simulator charges."""
+    """Copies of the pipeline these devices are one replica of (`replica`): every step sums each
+    device's gradients over its copies (`all_reduce_ms`, a bucket per stage), which the simulator
+    charges."""
     data_parallel_bandwidth: float = 0.0
     """Bytes/s of the links between a device's copies (0: `intra_node_bandwidth`)."""
 

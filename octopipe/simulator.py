@@ -22,10 +22,11 @@ all-reduce of k devices takes 2(k-1) x (latency + bytes / k / bandwidth) over th
 among them, plus one message's host overhead. A device takes part in its tied all-reduces one after
 another, in table order. On one device a tied parameter is held (and counted in memory) once.
 
-Data parallelism (`cluster.data_parallel` = D > 1, a `ClusterSpec.replica`): after its last B/W
-and its tied all-reduces, every device sums its gradients (its stages' parameter bytes, a tied
-one once) with its D - 1 copies, `cluster.all_reduce_ms`, and the iteration ends when the last
-device has (`Reduction` named "data-parallel"); as the runtime does, after the pipeline's work.
+Data parallelism (`cluster.data_parallel` = D > 1, a `ClusterSpec.replica`): every device sums
+its gradients with its D - 1 copies (`cluster.all_reduce_ms`) bucket by bucket, as the runtime
+issues them beside the backward: a stage's parameters once its last B/W on the device has run,
+the parameters tied across devices after their tied all-reduce; one all-reduce at a time per
+device. The iteration ends when the last has (`Reduction`s named "data-parallel ...").
 
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
@@ -257,8 +258,13 @@ class SimResult:
 
     @property
     def data_parallel_ms(self) -> float:
-        """The longest of the devices' gradient all-reduces over their data-parallel copies (0 without)."""
-        return max((r.end_ms - r.start_ms for r in self.reductions if r.name == "data-parallel"), default=0.0)
+        """The most time a device spends all-reducing its gradients over its data-parallel copies
+        (its buckets together; 0 without copies). Most of it may overlap the device's backward."""
+        per_device: dict[int, float] = {}
+        for r in self.reductions:
+            if r.name.startswith("data-parallel"):
+                per_device[r.devices[0]] = per_device.get(r.devices[0], 0.0) + r.end_ms - r.start_ms
+        return max(per_device.values(), default=0.0)
 
     # -- critical path ------------------------------------------------------------------------
     @cached_property
@@ -318,8 +324,9 @@ class SimResult:
                 f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
             )
         for reduction in self.reductions:
-            if reduction.name == "data-parallel":
-                lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients all-reduced over its "
+            if reduction.name.startswith("data-parallel"):
+                what = reduction.name.removeprefix("data-parallel ")
+                lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients ({what}) all-reduced over its "
                              f"{self.cluster.data_parallel} copies {reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
             else:
                 lines.append(f"tied {reduction.name}: all-reduce on devices {list(reduction.devices)} "
@@ -620,19 +627,9 @@ def _run(
             iteration = max(iteration, end)
             reductions.append(Reduction(name, devices, start, end))
     if cluster.data_parallel > 1:
-        gradient_bytes = [0.0] * num_devices
-        for stage in range(num_stages):
-            gradient_bytes[stage_device[stage]] += sc.params[stage]
-        for _, size, holders in _tied_holders(plan, costs) if costs.tied else ():
-            for device, count in holders.items():
-                gradient_bytes[device] -= (count - 1) * size
-        for device in range(num_devices):
-            if not device_ops[device]:
-                continue
-            start = max(_last_gradient_end(device_ops[device], done, per_kind, num_micro), reduced_until[device])
-            end = start + cluster.all_reduce_ms(gradient_bytes[device]) + cluster.message_overhead_ms
-            iteration = max(iteration, end)
-            reductions.append(Reduction("data-parallel", (device,), start, end))
+        for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until):
+            iteration = max(iteration, reduction.end_ms)
+            reductions.append(reduction)
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
 
@@ -649,6 +646,51 @@ def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, nu
         if op.kind is not OpKind.F:
             return done[_KIND_INDEX[op.kind] * per_kind + op.stage * num_micro + op.microbatch]
     return 0.0
+
+
+def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
+                           done: list[float], per_kind: int, reduced_until: Sequence[float]) -> list[Reduction]:
+    """Each device's gradient all-reduces over its data-parallel copies, as the runtime issues
+    them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
+    two of the device's stages share goes with the later one), then the parameters tied across
+    devices after their tied all-reduce; one at a time per device, in the order they are ready."""
+    num_micro = plan.num_microbatches
+    ready = [0.0] * plan.num_stages
+    for ops in plan.device_ops:
+        for op in ops:
+            if op.kind is not OpKind.F:
+                ready[op.stage] = max(ready[op.stage], done[_KIND_INDEX[op.kind] * per_kind + op.stage * num_micro
+                                                            + op.microbatch])
+    bucket = list(params)
+    across = [0.0] * plan.num_devices
+    stage_of = [0] * plan.num_layers
+    for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
+        for layer in range(start, end):
+            stage_of[layer] = stage
+    for tied in costs.tied:
+        stages = [stage_of[layer] for layer in tied.layers]
+        for stage in stages:  # every layer of it counted the tied bytes
+            bucket[stage] -= tied.bytes
+        devices = {plan.placement[stage] for stage in stages}
+        if len(devices) > 1:
+            for device in devices:
+                across[device] += tied.bytes
+        else:
+            bucket[max(stages, key=lambda stage: (ready[stage], stage))] += tied.bytes
+    result = []
+    for device in range(plan.num_devices):
+        queue = sorted((ready[stage], stage) for stage in plan.stages_of(device) if bucket[stage] > 0)
+        if across[device] > 0:
+            end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
+            queue.append((max(end_of_backward, reduced_until[device]), -1))
+        free = 0.0
+        for at, stage in queue:
+            size = bucket[stage] if stage >= 0 else across[device]
+            start = max(at, free)
+            free = start + cluster.all_reduce_ms(size) + cluster.message_overhead_ms
+            name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
+            result.append(Reduction(name, (device,), start, free))
+    return result
 
 
 def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float, dict[int, int]]]:

@@ -331,11 +331,13 @@ def test_a_plan_for_one_data_parallel_replica_prices_its_gradient_all_reduces():
     cluster = ClusterSpec.preset("h100x16").replica(4)  # 4 replicas of 4 devices, each device's copies in a node
     result = octopipe.plan(costs, cluster, 8, quiet=True, effort=0.03)
     check_result(result, costs, cluster)
-    copies = {r.devices[0]: r for r in result.simulation.reductions if r.name == "data-parallel"}
-    assert set(copies) == set(result.plan.placement)  # every device that holds a stage
-    for device, reduction in copies.items():
-        layers = sum(s.layer_end - s.layer_start for s in result.plan.stages if s.device == device)
-        assert reduction.end_ms - reduction.start_ms == pytest.approx(cluster.all_reduce_ms(layers * 2**28))
+    buckets = {int(r.name.split()[-1]): r for r in result.simulation.reductions if r.name.startswith("data-parallel")}
+    assert set(buckets) == {stage.index for stage in result.plan.stages}  # a bucket per stage
+    for stage in result.plan.stages:
+        reduction = buckets[stage.index]
+        assert reduction.devices == (stage.device,)
+        size = (stage.layer_end - stage.layer_start) * 2**28
+        assert reduction.end_ms - reduction.start_ms == pytest.approx(cluster.all_reduce_ms(size))
     alone = simulate(result.plan, costs, replace(cluster, data_parallel=1))
     assert result.report.iteration_ms > alone.iteration_ms
     assert "one of 4 replicas" in str(result.report)

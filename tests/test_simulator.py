@@ -396,26 +396,44 @@ device 1: 1F0 1B0
     assert act.end_ms - act.start_ms == pytest.approx(4.0)  # layer 1's 1 MB and layer 0's 3 MB
 
 
-def test_data_parallel_copies_sum_each_devices_gradients_after_its_last_backward():
-    # 2 replicas of this 2-device pipeline on 4 devices of a node: each device's gradients (its
-    # layers' parameter bytes, the tied one once) all-reduced over its 2 copies after its last
-    # B and its tied all-reduce; the iteration ends with the slower
+def test_data_parallel_copies_sum_each_stages_gradients_once_its_backward_is_done():
+    # 2 replicas of this 2-device pipeline on 4 devices of a node: each device all-reduces a
+    # stage's gradients over its 2 copies once the stage's last B ran (beside the rest of its
+    # backward), one bucket at a time, and the parameters tied across devices after their tied
+    # all-reduce; the iteration ends with the last
     full = ClusterSpec(num_devices=4, devices_per_node=4, intra_node_bandwidth=1e9, latency_s=1e-3)
     cluster = full.replica(2)
     assert (cluster.num_devices, cluster.devices_per_node, cluster.data_parallel) == (2, 2, 2)
     split = plan_of(FOUR_ON_TWO.format(d1=0, d2=1, d3=1, ops0="0F0 1F0 1B0 0B0", ops1="2F0 3F0 3B0 2B0"))
-    costs = tied_table(2_000_000, params=1_000_000)
+    costs = tied_table(2_000_000, params=4_000_000)  # layers 0 and 3 also hold the 2 MB tied embedding
     alone = simulate(split, costs, replace(cluster, data_parallel=1))
     result = simulate(split, costs, cluster)
-    tied, *copies = result.reductions
-    assert [r.name for r in copies] == ["data-parallel"] * 2 and [r.devices for r in copies] == [(0,), (1,)]
-    for reduction in copies:
-        assert reduction.start_ms == pytest.approx(tied.end_ms)  # after each device's share of the tied one
-        # a ring of 2: 2 steps of (1 ms + half of the device's 2 MB of layers at 1 GB/s)
-        assert reduction.end_ms - reduction.start_ms == pytest.approx(2 * (1.0 + 1.0))
-    assert result.iteration_ms == pytest.approx(alone.iteration_ms + 4.0)
+    ends = alone.op_end
+    tied, *buckets = result.reductions
+    assert tied.name == "embed.weight"
+    by_name = {(r.devices[0], r.name): r for r in buckets}
+    assert set(by_name) == {(0, "data-parallel stage 1"), (0, "data-parallel stage 0"), (0, "data-parallel tied"),
+                            (1, "data-parallel stage 3"), (1, "data-parallel stage 2"), (1, "data-parallel tied")}
+
+    def ms(size):  # a ring of 2: 2 steps of (1 ms + half the bytes at 1 GB/s)
+        return 2 * (1.0 + size / 2 / 1e6)
+
+    stage1 = by_name[(0, "data-parallel stage 1")]
+    assert stage1.start_ms == pytest.approx(ends[B(1, 0)])
+    assert stage1.start_ms < ends[B(0, 0)]  # beside device 0's last B
+    assert stage1.end_ms - stage1.start_ms == pytest.approx(ms(4e6))
+    stage0 = by_name[(0, "data-parallel stage 0")]
+    assert stage0.start_ms == pytest.approx(max(ends[B(0, 0)], stage1.end_ms))
+    assert stage0.end_ms - stage0.start_ms == pytest.approx(ms(2e6))  # its layer less the tied copy
+    for device in (0, 1):
+        last = by_name[(device, "data-parallel tied")]
+        assert last.start_ms >= tied.end_ms - 1e-9 and last.end_ms - last.start_ms == pytest.approx(ms(2e6))
+    assert result.iteration_ms == pytest.approx(max(r.end_ms for r in result.reductions))
+    assert result.iteration_ms > alone.iteration_ms
     assert iteration_time(split, costs, cluster)[0] == pytest.approx(result.iteration_ms)
-    assert "device 1's gradients all-reduced over its 2 copies" in str(result)
+    assert "device 1's gradients (stage 2) all-reduced over its 2 copies" in str(result)
+    assert result.data_parallel_ms == pytest.approx(max(
+        sum(r.end_ms - r.start_ms for r in buckets if r.devices == (d,)) for d in (0, 1)))
     # copies across nodes use the inter-node links
     wide = ClusterSpec(num_devices=16, devices_per_node=8, inter_node_bandwidth=1e8).replica(16)
     assert wide.data_parallel_bandwidth == 1e8 and wide.devices_per_node == 1

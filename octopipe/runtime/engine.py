@@ -31,8 +31,10 @@ Data parallelism (`data_parallel` = D, `Replicas`): the world's ranks are D copi
 pipeline, rank = pipeline rank x D + replica; messages go to the peer's rank in the same replica,
 tied groups and the clipping norm stay within a replica, every microbatch weighs 1/D of its share
 (a `loss_weight` count is summed over the replicas), and `step` sums this step's gradients over the
-D copies of each pipeline rank (a flat all-reduce per dtype, after the tied ones) before adding
-back what earlier steps accumulated. The engine starts by broadcasting replica 0's parameters and
+D copies of each pipeline rank before adding back what earlier steps accumulated: a bucket per
+stage, started (asynchronously, a flat all-reduce per dtype) as soon as the stage's last backward
+instruction on the rank has run, so it overlaps the rest of the backward; the parameters tied
+across ranks after their tied all-reduce, at `step`. The engine starts by broadcasting replica 0's parameters and
 buffers to the others, as DDP does.
 
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
@@ -216,6 +218,8 @@ class Engine:
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
         """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
+        self._buckets = self._plan_buckets() if self.replicas.size > 1 else {}
+        """With replicas: instruction position -> the gradients to all-reduce once it has run."""
         if init is not None and not is_checkpoint(init):
             self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
         if self.replicas.size > 1:
@@ -476,6 +480,8 @@ class Engine:
         handlers = self._handlers
         timeline = self.timeline
         clock = time.perf_counter
+        buckets = self._buckets if not self._evaluating else {}
+        self._bucket_work: list[tuple[Pending, list[Tensor], Tensor]] = []
         for position, instruction in enumerate(instructions):
             self._position = position
             try:
@@ -486,6 +492,8 @@ class Engine:
                     self._inputs_ready = 0.0
                     handlers[instruction.kind](instruction)
                     timeline.append((instruction, max(start, self._inputs_ready), clock()))
+                if position in buckets:  # these gradients are final: sum them over the replicas beside the rest
+                    self._reduce_bucket(buckets[position], self._where(instruction))
             except ExecutionError:
                 raise
             except Exception as exc:
@@ -772,20 +780,50 @@ class Engine:
                                                         self._data_group))
         return float(value)
 
-    def _reduce_over_replicas(self, i: Instruction) -> None:
-        """Sum this step's gradients over the replicas of this pipeline rank (each microbatch
-        already weighs 1/replicas): one flat all-reduce per gradient dtype, in name order."""
-        grads = [param.grad for _, param in sorted(self._params.items()) if param.grad is not None]
+    def _plan_buckets(self) -> dict[int, tuple[str, ...]]:
+        """Instruction position -> the parameters whose gradients are final once it has run: a
+        stage's after its last backward instruction on this rank (one that two of the rank's
+        stages share goes with the later). Parameters tied across ranks are left to `step`, after
+        their tied all-reduce, and so is any other the buckets miss."""
+        last: dict[int, int] = {}
+        for position, instruction in enumerate(self.program.instructions):
+            if instruction.kind in (InstrKind.BACKWARD, InstrKind.BACKWARD_INPUT, InstrKind.BACKWARD_WEIGHT):
+                last[instruction.stage] = position  # type: ignore[index]
+        ready: dict[str, int] = {}
+        for index, stage in self.stages.items():
+            for name, _ in stage.named_parameters():
+                if index in last and name not in self._tied_ranks:
+                    ready[name] = max(ready.get(name, -1), last[index])
+        buckets: dict[int, list[str]] = {}
+        for name in sorted(ready):
+            buckets.setdefault(ready[name], []).append(name)
+        return {position: tuple(names) for position, names in buckets.items()}
+
+    def _reduce_bucket(self, names: Sequence[str], where: str) -> None:
+        """Start summing these parameters' gradients over this pipeline rank's replicas (each
+        microbatch already weighs 1/replicas): one flat all-reduce per gradient dtype, in name
+        order; `step` waits for it and copies the sums back."""
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for group in by_dtype.values():
-            flat = torch.cat([grad.reshape(-1) for grad in group])
-            self.transport.finish(self.transport.all_reduce(flat, self._where(i), self._data_group))
+        for name in names:
+            grad = self._params[name].grad
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            self._bucket_work.append((self.transport.all_reduce(flat, where, self._data_group), grads, flat))
+
+    def _reduce_over_replicas(self, i: Instruction) -> None:
+        """Finish the step's sums over the replicas: the buckets started beside the backward,
+        then the gradients none of them held (the parameters tied across ranks)."""
+        bucketed = {name for names in self._buckets.values() for name in names}
+        self._reduce_bucket([name for name in sorted(self._params) if name not in bucketed], self._where(i))
+        for pending, grads, flat in self._bucket_work:
+            self.transport.finish(pending)
             offset = 0
-            for grad in group:
+            for grad in grads:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+        self._bucket_work = []
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
