@@ -93,3 +93,34 @@ def test_bf16_autocast_on_gpus_matches_single_gpu_autocast_training():
     scale = max(g.abs().max().item() for g in reference.values())
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference[name], rtol=1e-2, atol=1e-3 * scale)
+
+
+def _replicas_on_gpus(rank, world_size):
+    from test_data_parallel import MICROBATCHES, _batches, _model
+
+    import octopipe
+    from octopipe import models
+
+    device = torch.device("cuda", rank)
+    tokens, target = _batches(True)
+    replica = rank % 2
+    pipe = octopipe.compile(_model(), "h100x4", example_inputs=(tokens[0],), example_target=target[0],
+                            loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="zb-h1", data_parallel=2,
+                            loss_weight=models.lm_tokens, quiet=True)  # NCCL's pair order in the programs
+    engine = pipe.engine(rank, device=device, timeout_s=60)
+    loss = engine.step((tokens[replica].to(device),), target[replica].to(device))
+    return loss, {n: p.grad.cpu() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+def test_data_parallel_replicas_on_gpus_match_the_plain_model():
+    # NCCL: 2 replicas x 2 ranks, the overlapped per-stage all-reduces on the GPUs' streams
+    from test_data_parallel import REPLICAS, _plain
+
+    results = launch(_replicas_on_gpus, 4, timeout_s=240, backend="nccl", start_method="spawn")
+    loss, grads, _, _ = _plain(True)
+    for replica in range(REPLICAS):
+        mine = {n: g for r in (replica, REPLICAS + replica) for n, g in results[r][1].items()}
+        assert_grads_close(mine, grads, f"replica {replica}")
+    assert all(result[0] == pytest.approx(loss, rel=1e-4) for result in results)
