@@ -799,8 +799,9 @@ def plan_data_parallel(
     """Choose how many data-parallel replicas to cut `cluster` into, with each one's plan.
     `num_microbatches` is the whole batch's: D replicas take num_microbatches / D each. Every
     count D (`counts`, default all) that divides the devices and the microbatches and that
-    `ClusterSpec.replica` accepts is planned on one replica (`plan`, with `options`, the time
-    limit shared out equally); the step of the whole batch is one replica's iteration (they run
+    `ClusterSpec.replica` accepts is planned on one replica (`plan`, with `options`; the time
+    limit shared out, the most replicas first, what one leaves going to the rest); the step of
+    the whole batch is one replica's iteration (they run
     side by side), their gradient all-reduce included. The fastest count wins (fewer replicas
     on a tie); a count whose replica cannot plan (the model does not fit in memory, fewer layers
     than devices) is listed with the reason."""
@@ -829,14 +830,18 @@ def plan_data_parallel(
                             f"{cluster.num_devices} devices (and a node's {cluster.devices_per_node}) and the "
                             f"{num_microbatches} microbatches")
     tried = []
-    share = time_limit_s / len(candidates)
-    for count, replica in candidates:
+    deadline = time.perf_counter() + time_limit_s
+    # the most replicas first: their replicas are the smallest searches, and those that cannot
+    # hold the model fail at once, so what they leave goes to the larger pipelines
+    for left, (count, replica) in enumerate(sorted(candidates, key=lambda c: -c[0])):
+        share = max(0.1, (deadline - time.perf_counter()) / (len(candidates) - left))
         row = ReplicaCount(count, replica.num_devices, num_microbatches // count)
         try:
             row.result = plan(costs, replica, row.num_microbatches, time_limit_s=share, quiet=quiet, **options)
         except OctopipeError as error:
             row.error = str(error).splitlines()[0].split(" (")[0][:200]
         tried.append(row)
+    tried.sort(key=lambda row: row.data_parallel)
     planned = [row for row in tried if row.result is not None]
     if not planned:
         raise InfeasibleError("plan_data_parallel: no replica count has a plan: "
