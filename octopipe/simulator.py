@@ -399,6 +399,7 @@ def _run(
     if plan.num_devices > cluster.num_devices:
         raise PlanError(f"plan uses {plan.num_devices} devices but the cluster has {cluster.num_devices}")
     sc = stage_costs(plan, costs)
+    kind_f, kind_b, kind_w = OpKind.F, OpKind.B, OpKind.W  # locals: looked up once per op below
     num_stages, num_micro, num_devices = plan.num_stages, plan.num_microbatches, plan.num_devices
     stage_device = plan.placement
     per_kind = num_stages * num_micro
@@ -456,7 +457,7 @@ def _run(
         if blocking_sends:
             device_time[device] = arrive
         if record:
-            transfers.append(Transfer("act" if op.kind is OpKind.F else "grad", device, target, send_start, arrive, op))
+            transfers.append(Transfer("act" if op.kind is kind_f else "grad", device, target, send_start, arrive, op))
         if message >= total:
             woken = waiters.pop(message, None)
             if woken:
@@ -478,7 +479,7 @@ def _run(
             if stage_device[stage] != device:
                 raise fail(device, index, f"op {op} belongs to stage {stage}, placed on device {stage_device[stage]}")
             base = stage * num_micro + micro
-            if kind is OpKind.F:
+            if kind is kind_f:
                 key = base
                 if stage > 0:
                     dep = base - num_micro
@@ -501,7 +502,7 @@ def _run(
                         waiters.setdefault(missing, []).append(device)
                         break
                 duration = forward[stage]
-            elif kind is OpKind.B:
+            elif kind is kind_b:
                 key = per_kind + base
                 own = done[base]
                 if own < 0:
@@ -547,7 +548,7 @@ def _run(
                 starts[key] = begin  # type: ignore[index]
             elif arrival > begin:
                 begin = arrival
-            if posting is not None and kind is not OpKind.W:
+            if posting is not None and kind is not kind_w:
                 duration += posting[stage]
             finish = begin + duration + overhead
             done[key] = finish
@@ -556,11 +557,11 @@ def _run(
             # memory: allocate at F start (what the stage holds until B: all its activations, or
             # its inputs and sent outputs where it recomputes the rest at B's start), free at B
             # end (all or all but W's share) and at W end
-            if kind is OpKind.F:
+            if kind is kind_f:
                 activation[device] += held[stage]
                 if activation[device] > peak[device]:
                     peak[device] = activation[device]
-            elif kind is OpKind.B:
+            elif kind is kind_b:
                 if held[stage] != act_bytes[stage]:
                     activation[device] += act_bytes[stage] - held[stage]
                     if activation[device] > peak[device]:
@@ -569,15 +570,15 @@ def _run(
             else:
                 activation[device] -= act_bytes[stage] * keep_fraction
             # output transfer
-            if kind is OpKind.F and stage < num_stages - 1:
+            if kind is kind_f and stage < num_stages - 1:
                 target = stage_device[stage + 1]
                 size = out_bytes[stage]
-            elif kind is OpKind.B and stage > 0:
+            elif kind is kind_b and stage > 0:
                 target = stage_device[stage - 1]
                 size = out_bytes[stage - 1]
             else:
                 target = -1
-            leave = finish if sending is None or kind is OpKind.W else finish - sending[kind is OpKind.B][stage]
+            leave = finish if sending is None or kind is kind_w else finish - sending[kind is kind_b][stage]
             if target >= 0:
                 if target == device:
                     ready[key] = finish
@@ -586,10 +587,10 @@ def _run(
                 woken = waiters.pop(key, None)
                 if woken:
                     queue.extend(woken)
-            if kind is OpKind.F:
+            if kind is kind_f:
                 for link, reader, size in skip_out[stage]:
                     send(total + 2 * link * num_micro + micro, device, stage_device[reader], size, leave, op)
-            elif kind is OpKind.B:
+            elif kind is kind_b:
                 for link, source in skip_in[stage]:
                     send(total + (2 * link + 1) * num_micro + micro, device, stage_device[source], sc.skips[link][2],
                          leave, op)

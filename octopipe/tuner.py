@@ -56,11 +56,13 @@ to come back (its round trip) over the device's per-microbatch load, like 1F1B's
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from heapq import heappop, heappush
 
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
@@ -191,6 +193,14 @@ def inflight_caps(structure: Structure, costs: CostTable, cluster: ClusterSpec, 
     return caps
 
 
+@functools.lru_cache(maxsize=32)
+def op_grid(num_stages: int, num_microbatches: int) -> tuple[tuple[tuple[Op, ...], ...], ...]:
+    """Every op of `num_stages` stages x `num_microbatches`, as [kind F, B, W][stage][microbatch]:
+    the list scheduler hands out these shared (immutable) ops instead of building new ones."""
+    return tuple(tuple(tuple(Op(s, kind, mb) for mb in range(num_microbatches)) for s in range(num_stages))
+                 for kind in (_F, _B, _W))
+
+
 def list_schedule(
     structure: Structure,
     costs: CostTable,
@@ -243,37 +253,44 @@ def list_schedule(
     remaining = [len(stages_of[d]) * m * (3 if policy.split_backward else 2) for d in range(num_devices)]
     bandwidth: dict[tuple[int, int], float] = {}
     latency_ms = cluster.latency_s * 1e3
+    split, lazy_w, reserve, lookahead = policy.split_backward, policy.lazy_w, policy.reserve, policy.lookahead
+    last_stage = num_stages - 1
+    recomputing = [held[s] != activation[s] for s in range(num_stages)]
+    # an op's priority as one integer, smaller first: (class, microbatch, stage term) with class
+    # B 0, urgent W 1 (3 when W is lazy: after forwards), F 2; the stage term s or
+    # num_stages - s (deeper first) keeps ties in stage order
+    width = num_stages + 1
+    per_class = (m + 1) * width
+    urgent_w_class = (3 if lazy_w else 1) * per_class
+    f_mb_width = 0 if policy.shallow_first or policy.depth_first else width
+    f_rank = [2 * per_class + (num_stages - s if policy.depth_first and not policy.shallow_first else s)
+              for s in range(num_stages)]
+    nothing = 4 * per_class
+    ops_f, ops_b, ops_w = op_grid(num_stages, m)
 
     idle_since: list[float | None] = [None] * num_devices
     """When a device found nothing to run: it then sleeps until its next known input arrives, and a
     new input produced for it wakes it earlier (at the arrival, not before it went idle)."""
 
-    def send(src: int, dst: int, finish: float, size: float) -> float:
-        if src == dst:
-            return finish
-        link = (src, dst)
-        bw = bandwidth.get(link)
-        if bw is None:
-            bw = bandwidth[link] = cluster.bandwidth(src, dst) / 1e3
-        begin = max(finish, link_free.get(link, 0.0))
-        arrive = begin + latency_ms + size / bw
-        link_free[link] = arrive
-        idle = idle_since[dst]
-        if idle is not None and clock[dst] > arrive:
-            clock[dst] = max(arrive, idle)
-        return arrive
-
+    # the device to run next is the active one with the earliest finite clock (the lowest number
+    # on a tie): a heap of (clock, device) with an entry pushed at every change; an entry whose
+    # device finished or whose clock has moved since is dropped when it surfaces
+    is_active = [bool(remaining[d]) for d in range(num_devices)]
     active = [d for d in range(num_devices) if remaining[d]]
+    heap = [(0.0, d) for d in active]
     waiting_w: set[int] = set()  # devices that hold back a lazy W while they wait
     forced: set[int] = set()  # ... and must run it after all: nothing else can happen
     while active:
-        device, soonest = -1, math.inf
-        for d in active:
-            if clock[d] < soonest:
-                device, soonest = d, clock[d]
+        device = -1
+        while heap:
+            soonest, d = heappop(heap)
+            if is_active[d] and clock[d] == soonest:
+                device = d
+                break
         if device < 0 and waiting_w:
             for d in sorted(waiting_w):
                 clock[d] = idle_since[d] if idle_since[d] is not None else 0.0
+                heappush(heap, (clock[d], d))
                 forced.add(d)
             waiting_w.clear()
             continue
@@ -284,117 +301,152 @@ def list_schedule(
                 f"budget {budget[stuck]:.4g} bytes); raise the memory limit or use more stages"
             )
         now = clock[device]
-        best = None  # (rank tuple, kind, stage, ready)
-        filler = None  # the W to run when nothing else is ready
+        on_device = stages_of[device]
+        room = budget[device] + 1e-6
+        best_rank, best_kind, best_s, best_ready = nothing, None, -1, 0.0
+        filler_rank, filler_s, filler_ready = nothing, -1, 0.0  # the W to run when nothing else is ready
         f_blocked = False  # a forward is ready but the budget or its cap holds it back
         b_blocked = False  # a recomputing B is ready but needs the memory a waiting W holds
         earliest = earliest_b = math.inf
-        for s in stages_of[device]:
+        for s in on_device:
             # B: oldest microbatch whose F is done and whose gradient has arrived
-            mb = next_b[s]
-            if mb < next_f[s]:
-                ready = g_arrival[s][mb] if s < num_stages - 1 else f_end[s][mb]
+            nb = next_b[s]
+            nf = next_f[s]
+            if nb < nf:
+                ready = g_arrival[s][nb] if s < last_stage else f_end[s][nb]
                 if ready >= 0:
-                    if (ready <= now and held[s] != activation[s]
-                            and live[device] + activation[s] - held[s] > budget[device] + 1e-6 and policy.split_backward
-                            and any(next_w[t] < next_b[t] for t in stages_of[device])):
+                    if ready > now:
+                        if ready < earliest:
+                            earliest = ready
+                        if ready < earliest_b:
+                            earliest_b = ready
+                    elif (recomputing[s] and split and live[device] + activation[s] - held[s] > room
+                          and any(next_w[t] < next_b[t] for t in on_device)):
                         b_blocked = True  # (only recomputing stages get here: no cost to the others)
-                    elif ready <= now:
-                        rank = (0, mb, -s)
-                        if best is None or rank < best[0]:
-                            best = (rank, _B, s, ready)
                     else:
-                        earliest = min(earliest, ready)
-                        earliest_b = min(earliest_b, ready)
+                        rank = nb * width + num_stages - s
+                        if rank < best_rank:
+                            best_rank, best_kind, best_s, best_ready = rank, _B, s, ready
             # W: weight gradients fill gaps; urgent when too many wait
-            mb = next_w[s]
-            if policy.split_backward and mb < next_b[s]:
-                ready = b_end[s][mb]
-                urgent = next_b[s] - mb > pending_limit[s]
-                if ready <= now:
-                    if urgent:
-                        # eager: an urgent W goes before forwards; lazy: right after them
-                        rank = (2.5 if policy.lazy_w else 1, mb, -s)
-                        if best is None or rank < best[0]:
-                            best = (rank, _W, s, ready)
-                    elif filler is None or (mb, -s) < filler[0]:
-                        filler = ((mb, -s), _W, s, ready)
-                elif ready < earliest:
-                    earliest = ready
-            # F: within the stage's in-flight cap and the device's activation budget
-            mb = next_f[s]
-            if mb < m and mb - next_b[s] < caps[s]:
-                ready = f_arrival[s][mb]
-                if ready >= 0:
-                    need = live[device] + held[s] + regrow[device]
-                    if policy.reserve:
-                        for t in stages_of[device]:
-                            if t > s and next_f[t] < m:
-                                waiting = next_f[t] - next_w[t] if policy.split_backward else next_f[t] - next_b[t]
-                                if waiting < policy.reserve:
-                                    need += held[t] * (policy.reserve - waiting)
-                    fits = need <= budget[device] + 1e-6 or live[device] <= 1e-9
+            if split:
+                mb = next_w[s]
+                if mb < nb:
+                    ready = b_end[s][mb]
                     if ready <= now:
-                        if fits:
-                            rank = (2, 0, s) if policy.shallow_first else (2, 0, -s) if policy.depth_first else (2, mb, s)
-                            if best is None or rank < best[0]:
-                                best = (rank, _F, s, ready)
-                        else:
-                            f_blocked = True
+                        rank = mb * width + num_stages - s
+                        if nb - mb > pending_limit[s]:
+                            # eager: an urgent W goes before forwards; lazy: right after them
+                            if urgent_w_class + rank < best_rank:
+                                best_rank, best_kind, best_s, best_ready = urgent_w_class + rank, _W, s, ready
+                        elif rank < filler_rank:
+                            filler_rank, filler_s, filler_ready = rank, s, ready
                     elif ready < earliest:
                         earliest = ready
-            elif mb < m and f_arrival[s][mb] >= 0 and f_arrival[s][mb] <= now:
-                f_blocked = True
-        if best is None and filler is not None:
+            # F: within the stage's in-flight cap and the device's activation budget
+            if nf < m:
+                ready = f_arrival[s][nf]
+                if nf - nb < caps[s]:
+                    if ready >= 0:
+                        if ready <= now:
+                            need = live[device] + held[s] + regrow[device]
+                            if reserve:
+                                for t in on_device:
+                                    if t > s and next_f[t] < m:
+                                        waiting = next_f[t] - next_w[t] if split else next_f[t] - next_b[t]
+                                        if waiting < reserve:
+                                            need += held[t] * (reserve - waiting)
+                            if need <= room or live[device] <= 1e-9:
+                                rank = f_rank[s] + nf * f_mb_width
+                                if rank < best_rank:
+                                    best_rank, best_kind, best_s, best_ready = rank, _F, s, ready
+                            else:
+                                f_blocked = True
+                        elif ready < earliest:
+                            earliest = ready
+                elif 0 <= ready <= now:
+                    f_blocked = True
+        if best_kind is None and filler_s >= 0:
             # a lazy W waits for the drain (when the device has issued all its forwards) or for
             # memory to run out: the drain's gaps are where nothing else can fill in
-            drain = all(next_f[t] >= m for t in stages_of[device])
-            if not policy.lazy_w or drain or f_blocked or b_blocked or device in forced:
-                best = filler
-        if best is None:
+            if (not lazy_w or f_blocked or b_blocked or device in forced
+                    or all(next_f[t] >= m for t in on_device)):
+                best_kind, best_s, best_ready = _W, filler_s, filler_ready
+        if best_kind is None:
             if idle_since[device] is None:
                 idle_since[device] = now
             clock[device] = earliest
-            if filler is not None:
+            if earliest < math.inf:
+                heappush(heap, (earliest, device))
+            if filler_s >= 0:
                 waiting_w.add(device)
             continue
-        waiting_w.discard(device)
-        forced.discard(device)
-        if policy.lookahead and best[1] is not _B and earliest_b < math.inf:
-            length = forward[best[2]] if best[1] is _F else weight[best[2]]
-            if earliest_b - now < policy.lookahead * length:
+        if waiting_w:
+            waiting_w.discard(device)
+        if forced:
+            forced.discard(device)
+        if lookahead and best_kind is not _B and earliest_b < math.inf:
+            length = forward[best_s] if best_kind is _F else weight[best_s]
+            if earliest_b - now < lookahead * length:
                 if idle_since[device] is None:
                     idle_since[device] = now
                 clock[device] = earliest_b
+                heappush(heap, (earliest_b, device))
                 continue
         idle_since[device] = None
-        _, kind, s, ready = best
-        start = max(now, ready)
-        if kind is _F:
+        s = best_s
+        start = now if now > best_ready else best_ready
+        target = -1
+        if best_kind is _F:
             mb = next_f[s]
+            op = ops_f[s][mb]
             finish = start + forward[s]
-            next_f[s] += 1
+            next_f[s] = mb + 1
             f_end[s][mb] = finish
             live[device] += held[s]
-            if s + 1 < num_stages:
-                f_arrival[s + 1][mb] = send(device, placement[s + 1], finish, output[s])
-        elif kind is _B:
+            if s < last_stage:
+                target, size, arrivals = placement[s + 1], output[s], f_arrival[s + 1]
+        elif best_kind is _B:
             mb = next_b[s]
+            op = ops_b[s][mb]
             finish = start + backward[s]
-            next_b[s] += 1
+            next_b[s] = mb + 1
             b_end[s][mb] = finish
             live[device] += activation[s] - held[s] - activation[s] * (1.0 - keep)
             if s > 0:
-                g_arrival[s - 1][mb] = send(device, placement[s - 1], finish, output[s - 1])
+                target, size, arrivals = placement[s - 1], output[s - 1], g_arrival[s - 1]
         else:
             mb = next_w[s]
+            op = ops_w[s][mb]
             finish = start + weight[s]
-            next_w[s] += 1
+            next_w[s] = mb + 1
             live[device] -= activation[s] * keep
-        orders[device].append(Op(s, kind, mb))
+        if target >= 0:
+            # the message to the neighbouring stage: queued on the link after the op ends; it wakes
+            # an idle target at its arrival (not before the target went idle)
+            if target == device:
+                arrivals[mb] = finish
+            else:
+                link = (device, target)
+                bw = bandwidth.get(link)
+                if bw is None:
+                    bw = bandwidth[link] = cluster.bandwidth(device, target) / 1e3
+                begin = link_free.get(link, 0.0)
+                if finish > begin:
+                    begin = finish
+                arrive = begin + latency_ms + size / bw
+                link_free[link] = arrive
+                arrivals[mb] = arrive
+                idle = idle_since[target]
+                if idle is not None and clock[target] > arrive:
+                    clock[target] = wake = arrive if arrive > idle else idle
+                    heappush(heap, (wake, target))
+        orders[device].append(op)
         clock[device] = finish
         remaining[device] -= 1
-        if not remaining[device]:
+        if remaining[device]:
+            heappush(heap, (finish, device))
+        else:
+            is_active[device] = False
             active.remove(device)
     return PipelinePlan(num_devices, m, structure.stages(), tuple(tuple(ops) for ops in orders))
 
