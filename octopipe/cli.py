@@ -397,6 +397,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+SEARCH_SHARE_FLOOR = 0.1
+"""The least share of `plan --time-limit` the search gets when tracing and costing took the rest."""
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from octopipe.api import plan, plan_data_parallel
     from octopipe.errors import OctopipeError
@@ -413,14 +417,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster = cluster.replica(replicas)
     started = time.perf_counter()
     costs, _ = _costs_from(args, cluster)
+    # --time-limit bounds the whole command: the search gets what tracing and costing a --model
+    # left of it, and at least a tenth of it (then it is cut short, and its report says so)
+    spent = time.perf_counter() - started
+    search_s = max(args.time_limit - spent, SEARCH_SHARE_FLOOR * args.time_limit)
     if args.model and not args.quiet:
         how = "profiled" if args.profile else "costed"
-        print(f"note: traced and {how} {args.model} in {time.perf_counter() - started:.1f}s, before the search "
-              "(--time-limit bounds the search)", file=sys.stderr)
+        over = (" (tracing and costing took longer than the limit: the search gets a tenth of it; raise "
+                "--time-limit for a full search)" if search_s > args.time_limit - spent else "")
+        print(f"note: traced and {how} {args.model} in {spent:.1f}s; the search gets the {search_s:.1f}s left of "
+              f"--time-limit {args.time_limit:g}{over}", file=sys.stderr)
     limit: float | str | None = args.activation_limit
     if isinstance(limit, float):
         limit *= 2**30
-    options = dict(time_limit_s=args.time_limit,
+    options = dict(time_limit_s=search_s,
                    memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
                    activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
                    min_gain=args.min_gain / 100, recompute=not args.no_recompute)
@@ -819,7 +829,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_cluster_options(p)
     p.add_argument("--microbatches", type=_positive_int, default=16)
     p.add_argument("--time-limit", type=_positive_float, default=30.0,
-                   help="seconds for the search (after a --model is traced and costed)")
+                   help="seconds for the whole planning: tracing and costing a --model, then the search in "
+                        "what is left (at least a tenth)")
     p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
                    help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
     p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GiB", help="device memory (default: the cluster's)")

@@ -480,12 +480,34 @@ def test_second_sweep_torchrun_lines_device_counts_and_import_failures(tmp_path,
                                             capsys)
 
 
-def test_plan_says_how_long_tracing_and_costing_took_outside_the_time_limit(capsys):
-    # --time-limit bounds the search; a paper-size model takes seconds to trace and cost before it
-    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+def test_plan_time_limit_bounds_tracing_and_costing_and_the_search_gets_the_rest(capsys, monkeypatch):
+    # --time-limit bounds the whole command: a paper-size model takes seconds to trace and cost,
+    # and the search gets what that left; the note says how the limit was spent
+    import octopipe.api
+
+    limits = []
+    real_plan = octopipe.api.plan
+
+    def recording_plan(*args, **kwargs):
+        limits.append(kwargs["time_limit_s"])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(octopipe.api, "plan", recording_plan)
+    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "30",
                  "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
-    assert re.search(r"traced and costed gemma in \d+\.\ds, before the search \(--time-limit bounds the search\)", err)
+    found = re.search(r"traced and costed gemma in (\d+\.\d)s; the search gets the (\d+\.\d)s left of --time-limit 30\n",
+                      err)
+    assert found, err
+    spent, left = float(found.group(1)), float(found.group(2))
+    assert spent > 0 and limits == [pytest.approx(30 - spent, abs=0.1)] and abs(left - limits[0]) <= 0.05
+
+    # a limit that tracing alone overruns still leaves the search a tenth of it, and says so
+    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "0.05",
+                 "--no-solver"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert limits[1] == pytest.approx(0.005)
+    assert "took longer than the limit: the search gets a tenth of it; raise --time-limit" in err
 
 
 @pytest.mark.timeout(240)
