@@ -93,7 +93,9 @@ def plan(
 
     recompute: let the search make stages recompute their activations (F keeps only the stage's
     inputs and sent outputs, B runs the forward again): tried where memory holds microbatches back, kept only
-    where the plan gets faster or fits; the report lists the stages that do. False: never."""
+    where the plan gets faster or fits; the report lists the stages that do. Where it is tried the
+    search without it runs too (up to twice the planning time), so the plan is never slower than
+    with False (unless the time limit cuts the search short). False: never."""
     started = time.perf_counter()
     cluster = ClusterSpec.of(cluster, "plan: cluster")
     p = cluster.num_devices if num_devices is None else num_devices

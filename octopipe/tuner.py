@@ -38,9 +38,11 @@ Where memory binds the fastest baseline, the baselines with every stage recomput
 activations (as their users would run them) are starts too; where one of those beats every start
 that fits without it, recomputation is worth the search's work: those structures list-scheduled
 with every stage recomputing, the best screened structures so where memory binds them, and the
-recomputation moves of step 3 (otherwise only moves that turn it off). A recomputing stage's B takes
-one more F, and between F and B the stage holds only its inputs and sent outputs (see
-`simulator`).
+recomputation moves of step 3 (otherwise only moves that turn it off). The search without
+recomputation then runs too, exactly as `recompute=False` runs it (its own budget, in the time
+left), and the faster plan wins: allowing recomputation never returns a slower plan than
+forbidding it. A recomputing stage's B takes one more F, and between F and B the stage holds
+only its inputs and sent outputs (see `simulator`).
 
 Only strict improvements that fit the memory limits are kept. The search is deterministic for a
 given input and seed: its budget counts work (ops scheduled and simulated), not seconds;
@@ -572,6 +574,8 @@ class _Search:
         self.started = started
         self.evaluations = 0
         self.work = 0
+        self.work_plain = 0
+        """Work of the search without recomputation that `tune` ran beside this one, if any."""
         self.cut_short = False
         self.best: Candidate | None = None
         self.best_of_shape: dict[tuple, Candidate] = {}
@@ -820,7 +824,9 @@ def tune(
     (`TuneResult.cut_short`). The search is one fixed sequence of steps that the budget only
     truncates, so more effort never returns a slower plan. `recompute`: whether stages may
     recompute their activations (tried where memory binds; kept only where it makes the plan
-    faster or makes it fit). Raises PlanError when no plan it tried fits the limits."""
+    faster or makes it fit; where it is tried, the search without it runs as well, so its plan is
+    never slower than recompute=False's, at up to twice the work). Raises PlanError when no plan
+    it tried fits the limits."""
     started = time.perf_counter()
     p = num_devices or cluster.num_devices
     work_limit = int(DEFAULT_WORK * effort)
@@ -919,12 +925,46 @@ def tune(
     # 5. order moves on the best plan: W into gaps, F earlier
     if search.best is not None and not search.exhausted():
         _order_moves(search, search.best)
+    if search.try_recompute:
+        # the search without recomputation too, exactly as recompute=False runs it, in the time
+        # left: the better plan wins, so allowing recomputation never returns a slower plan than
+        # forbidding it (unless the time limit cuts that search short)
+        _add_plain_search(search, costs, cluster, num_microbatches, p, effort, activation_budget, memory_limit_bytes,
+                          memory, seed, start_plans, patience)
     if search.best is None:
         raise PlanError("the tuner found no plan that fits the memory limits")
     winner = plan_shape(search.best.structure)
     others = sorted((c for shape, c in search.best_of_shape.items() if shape != winner), key=lambda c: c.iteration_ms)
-    return TuneResult(search.best, search.history, search.evaluations, search.work, search.cut_short,
+    return TuneResult(search.best, search.history, search.evaluations, search.work + search.work_plain, search.cut_short,
                       time.perf_counter() - started, len(unique), tuple(others))
+
+
+def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
+                      num_devices: int, effort: float, activation_budget: Sequence[float] | None,
+                      memory_limit_bytes: float | None, memory: MemoryModel, seed: int,
+                      start_plans: dict[str, PipelinePlan] | None, patience: int) -> None:
+    """Run the search without recomputation (its own full work budget, until `search`'s deadline)
+    and take in its best plan (where it is faster), runners-up and work; nothing when no plan fits
+    without recomputation."""
+    began = time.perf_counter()
+    try:
+        plain = tune(costs, cluster, num_microbatches, num_devices=num_devices,
+                     time_limit_s=max(0.0, search.deadline - began), effort=effort,
+                     activation_budget=activation_budget, memory_limit_bytes=memory_limit_bytes, memory=memory,
+                     seed=seed, start_plans=start_plans, patience=patience, recompute=False,
+                     progress=(lambda line: search.progress(f"without recomputation: {line}")) if search.progress else None)
+    except PlanError:
+        return
+    search.evaluations += plain.evaluations
+    search.work_plain += plain.work
+    search.cut_short |= plain.cut_short
+    for other in (plain.best, *plain.runners_up):
+        shape = plan_shape(other.structure)
+        known = search.best_of_shape.get(shape)
+        if known is None or other.iteration_ms < known.iteration_ms - 1e-9:
+            search.best_of_shape[shape] = other
+    best = plain.best
+    search.evaluate(best.plan, f"{best.origin} (without recomputation)", best.structure, best.policy)
 
 
 def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Candidate:
