@@ -76,8 +76,7 @@ _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
 DEFAULT_WORK = 3_000_000
 """Work budget of one tuning run at effort 1: ops list-scheduled plus ops simulated. About 3 us
-of one core each (10 us before stop 21's list-scheduler speed-up), so roughly 10 s on this VM's
-cores; small inputs converge long before."""
+of one core each, so roughly 10 s on the 2-core CI VM; small inputs converge long before."""
 
 
 @dataclass(frozen=True, slots=True)
