@@ -393,6 +393,34 @@ def iteration_time(
     return _run(plan, costs, cluster, blocking_sends, memory, record=False)  # type: ignore[return-value]
 
 
+class LinkQueues:
+    """The links' timing rule, shared by the simulator and the tuner's list scheduler: a message
+    queues on its (source, target) link behind the ones sent before it, starts when the op that
+    sends it ends (or the link frees), and arrives latency + size / bandwidth after it starts."""
+
+    __slots__ = ("cluster", "latency_ms", "free_at", "bandwidth")
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self.latency_ms = cluster.latency_s * 1e3
+        self.free_at: dict[tuple[int, int], float] = {}
+        self.bandwidth: dict[tuple[int, int], float] = {}
+        """Bytes per ms of each link used so far."""
+
+    def send(self, source: int, target: int, size_bytes: float, finish: float) -> tuple[float, float]:
+        """(start, arrival) in ms of `size_bytes` sent from `source` to `target` after `finish`."""
+        link = (source, target)
+        bandwidth = self.bandwidth.get(link)
+        if bandwidth is None:
+            bandwidth = self.bandwidth[link] = self.cluster.bandwidth(source, target) / 1e3
+        start = self.free_at.get(link, 0.0)
+        if finish > start:
+            start = finish
+        arrive = start + self.latency_ms + size_bytes / bandwidth
+        self.free_at[link] = arrive
+        return start, arrive
+
+
 def _run(
     plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, blocking_sends: bool, memory: MemoryModel, record: bool
 ) -> SimResult | tuple[float, tuple[float, ...]]:
@@ -411,7 +439,7 @@ def _run(
     starts = [0.0] * total if record else None
     pred: list[int] = [-1] * total if record else []
     waiters: dict[int, list[int]] = {}
-    link_free: dict[tuple[int, int], float] = {}
+    links = LinkQueues(cluster)
     transfers: list[Transfer] = []
     device_time = [0.0] * num_devices
     pointer = [0] * num_devices
@@ -439,20 +467,11 @@ def _run(
         ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
-    bandwidth_cache: dict[tuple[int, int], float] = {}
 
     def send(message: int, device: int, target: int, size: float, finish: float, op: Op) -> None:
         """Queue `size` bytes on the link device -> target after `finish`; the message is ready on
         arrival (and wakes the devices waiting for it, except the chain's, which the caller wakes)."""
-        link = (device, target)
-        bandwidth = bandwidth_cache.get(link)
-        if bandwidth is None:
-            bandwidth = bandwidth_cache[link] = cluster.bandwidth(device, target) / 1e3  # bytes per ms
-        send_start = link_free.get(link, 0.0)
-        if finish > send_start:
-            send_start = finish
-        arrive = send_start + latency_ms + size / bandwidth
-        link_free[link] = arrive
+        send_start, arrive = links.send(device, target, size, finish)
         ready[message] = arrive
         if blocking_sends:
             device_time[device] = arrive

@@ -70,7 +70,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import MemoryModel, StageCosts, iteration_time, message_host_ms, simulate
+from octopipe.simulator import LinkQueues, MemoryModel, StageCosts, iteration_time, message_host_ms, simulate
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
@@ -250,11 +250,9 @@ def list_schedule(
     b_end = [[-1.0] * m for _ in range(num_stages)]
     clock = [0.0] * num_devices
     live = [0.0] * num_devices
-    link_free: dict[tuple[int, int], float] = {}
+    links = LinkQueues(cluster)
     orders: list[list[Op]] = [[] for _ in range(num_devices)]
     remaining = [len(stages_of[d]) * m * (3 if policy.split_backward else 2) for d in range(num_devices)]
-    bandwidth: dict[tuple[int, int], float] = {}
-    latency_ms = cluster.latency_s * 1e3
     split, lazy_w, reserve, lookahead = policy.split_backward, policy.lazy_w, policy.reserve, policy.lookahead
     last_stage = num_stages - 1
     recomputing = [held[s] != activation[s] for s in range(num_stages)]
@@ -428,15 +426,7 @@ def list_schedule(
             if target == device:
                 arrivals[mb] = finish
             else:
-                link = (device, target)
-                bw = bandwidth.get(link)
-                if bw is None:
-                    bw = bandwidth[link] = cluster.bandwidth(device, target) / 1e3
-                begin = link_free.get(link, 0.0)
-                if finish > begin:
-                    begin = finish
-                arrive = begin + latency_ms + size / bw
-                link_free[link] = arrive
+                _, arrive = links.send(device, target, size, finish)
                 arrivals[mb] = arrive
                 idle = idle_since[target]
                 if idle is not None and clock[target] > arrive:
