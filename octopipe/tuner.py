@@ -272,19 +272,18 @@ def list_schedule(
     """When a device found nothing to run: it then sleeps until its next known input arrives, and a
     new input produced for it wakes it earlier (at the arrival, not before it went idle)."""
 
-    # the device to run next is the active one with the earliest finite clock (the lowest number
-    # on a tie): a heap of (clock, device) with an entry pushed at every change; an entry whose
-    # device finished or whose clock has moved since is dropped when it surfaces
-    is_active = [bool(remaining[d]) for d in range(num_devices)]
-    active = [d for d in range(num_devices) if remaining[d]]
-    heap = [(0.0, d) for d in active]
+    # the device to run next is the unfinished one with the earliest finite clock (the lowest
+    # number on a tie): a heap of (clock, device) with an entry pushed at every change; an entry
+    # whose device finished or whose clock has moved since is dropped when it surfaces
+    heap = [(0.0, d) for d in range(num_devices) if remaining[d]]
+    unfinished = len(heap)
     waiting_w: set[int] = set()  # devices that hold back a lazy W while they wait
     forced: set[int] = set()  # ... and must run it after all: nothing else can happen
-    while active:
+    while unfinished:
         device = -1
         while heap:
             soonest, d = heappop(heap)
-            if is_active[d] and clock[d] == soonest:
+            if remaining[d] and clock[d] == soonest:
                 device = d
                 break
         if device < 0 and waiting_w:
@@ -295,7 +294,7 @@ def list_schedule(
             waiting_w.clear()
             continue
         if device < 0:
-            stuck = active[0]
+            stuck = next(d for d in range(num_devices) if remaining[d])
             raise PlanError(
                 f"list scheduler stalled: no device can run an op (device {stuck}; in-flight caps {caps}, activation "
                 f"budget {budget[stuck]:.4g} bytes); raise the memory limit or use more stages"
@@ -438,8 +437,7 @@ def list_schedule(
         if remaining[device]:
             heappush(heap, (finish, device))
         else:
-            is_active[device] = False
-            active.remove(device)
+            unfinished -= 1
     return PipelinePlan(num_devices, m, structure.stages(), tuple(tuple(ops) for ops in orders))
 
 
@@ -621,10 +619,7 @@ class _Search:
                               origin, structure, policy)
         if not candidate.feasible:
             return candidate
-        shape = plan_shape(structure)
-        known = self.best_of_shape.get(shape)
-        if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
-            self.best_of_shape[shape] = candidate
+        self.keep_if_best_of_shape(candidate)
         if self.best is None or candidate.iteration_ms < self.best.iteration_ms - 1e-9:
             self.best = candidate
             elapsed = time.perf_counter() - self.started
@@ -632,6 +627,13 @@ class _Search:
             if self.progress:
                 self.progress(f"[{elapsed:6.1f}s] {candidate.iteration_ms:10.3f} ms  {origin}")
         return candidate
+
+    def keep_if_best_of_shape(self, candidate: Candidate) -> None:
+        """Keep feasible `candidate` as its shape's runner-up if it is the fastest of it so far."""
+        shape = plan_shape(candidate.structure)
+        known = self.best_of_shape.get(shape)
+        if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
+            self.best_of_shape[shape] = candidate
 
     def schedule(self, structure: Structure, policy: Policy, origin: str) -> Candidate | None:
         key = (structure, policy)
@@ -948,10 +950,7 @@ def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, n
     search.work_plain += plain.work
     search.cut_short |= plain.cut_short
     for other in (plain.best, *plain.runners_up):
-        shape = plan_shape(other.structure)
-        known = search.best_of_shape.get(shape)
-        if known is None or other.iteration_ms < known.iteration_ms - 1e-9:
-            search.best_of_shape[shape] = other
+        search.keep_if_best_of_shape(other)
     best = plain.best
     search.evaluate(best.plan, f"{best.origin} (without recomputation)", best.structure, best.policy)
 
