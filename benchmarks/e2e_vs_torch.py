@@ -206,7 +206,8 @@ def main() -> None:
         candidates = [result.plan, *result.runners_up][:args.candidates]
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                   num_microbatches=num_microbatches, costs=costs, plan=plan) for plan in candidates]
-        per_rank = launch(worker, 2, (name, pipes, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600)
+        per_rank = launch(worker, 2, (name, pipes, args.steps, args.warmup, not args.no_rewarm), timeout_s=3600,
+                          backend="gloo")
         steps_of = {}
         for key, times in per_rank[0]["times"].items():
             if times:

@@ -140,7 +140,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
-    per_rank = launch(worker, 2, (args.size, args.batch_size, args.microbatches, args.steps, args.warmup), timeout_s=1800)
+    per_rank = launch(worker, 2, (args.size, args.batch_size, args.microbatches, args.steps, args.warmup), timeout_s=1800,
+                      backend="gloo")
     print(f"llama-{args.size} ({SIZES[args.size]['num_layers']} blocks, hidden {SIZES[args.size]['hidden_size']}), "
           f"batch {args.batch_size}, {args.microbatches} microbatches, 2 ranks, gloo, CPU, 1 thread per rank; "
           f"median of {args.steps} steps after {args.warmup} warm-up (step = slowest rank)")

@@ -178,7 +178,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad),
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     return results[0][0], [durations for _, durations in results]
 
 
@@ -223,7 +223,7 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     from octopipe.runtime import launch
 
     small, large = 4, 4 * 2**20
-    one_way = launch(_pingpong_worker, 2, args=((small, large), 20, 3))[0]
+    one_way = launch(_pingpong_worker, 2, args=((small, large), 20, 3), backend="gloo")[0]
     latency = max(one_way[0], 1e-6)
     bandwidth = large / max(one_way[1] - latency, 1e-9)
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)

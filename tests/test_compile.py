@@ -93,6 +93,30 @@ def _step(rank, world, pipe, x, y):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["gemma", "multimodal"])
+def test_pipeline_travels_to_spawned_processes(name):
+    # what launch does where CUDA is initialized (spawn: the pipeline is pickled): the stages come
+    # back with their split linears still calls (W still deferred) and train exactly as before
+    from octopipe.passes.split_backward import split_linear
+
+    model, x, y = _tiny(name)
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                            num_microbatches=4, schedule="zb-v", quiet=True)
+    splits = [sum(n.target is split_linear for n in stage.module.graph.nodes) for stage in pipe.stages]
+    assert sum(splits) > 0
+    spawned = launch(_step, 2, args=(pipe, x, y), start_method="spawn")
+    forked = launch(_step, 2, args=(pipe, x, y))
+    for (loss, grads), (forked_loss, forked_grads) in zip(spawned, forked):
+        assert loss == forked_loss
+        assert grads.keys() == forked_grads.keys()
+        assert all(torch.equal(grads[n], forked_grads[n]) for n in grads)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(pipe))
+    assert [sum(n.target is split_linear for n in stage.module.graph.nodes) for stage in back.stages] == splits
+
+
+@pytest.mark.timeout(180)
 def test_planned_pipeline_trains_exactly():
     model, x, y = _tiny("deepseek")
     pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,

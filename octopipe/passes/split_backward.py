@@ -97,6 +97,21 @@ def split_linear(inputs: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 
 split_linear_uncompiled = torch.compiler.disable(split_linear)
 """`split_linear` for modules that torch.compile will compile (a graph break keeps the stash live)."""
+split_linear_uncompiled.__name__ = split_linear_uncompiled.__qualname__ = "split_linear_uncompiled"  # pickled by name
+
+
+class _Retracer(fx.Tracer):
+    """What unpickling a stage's GraphModule traces its code with (`GraphModule.__reduce__` keeps
+    the code, not the graph): the split linears stay calls, as in the graph pickled."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=(split_linear, split_linear_uncompiled))
+
+
+def picklable(module: fx.GraphModule) -> fx.GraphModule:
+    """`module`, unpickled (a pipeline travels to spawned processes) with its split linears kept."""
+    module._tracer_cls = _Retracer
+    return module
 
 _LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 _TRANSPOSES = {torch.ops.aten.t.default, torch.t, torch.Tensor.t}
@@ -183,5 +198,5 @@ def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[
             if param is not None and str(param.target) not in deferred:
                 deferred.append(str(param.target))
     graph.lint()
-    result = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    result = picklable(fx.GraphModule(module, graph, class_name=type(module).__name__))
     return result, tuple(deferred)

@@ -165,18 +165,17 @@ class Engine:
         autocast: torch.dtype | str | None = None,
         data_parallel: int = 1,
     ) -> None:
-        """`device`: where this rank runs; its stage modules are moved there (in place: build one
-        engine per process). A model built on the meta device is created there instead, from
-        `init` (a checkpoint path or state dict by the model's names, a function run on each
-        submodule, or "reset"; see `runtime/materialize.py`); `init` on a real model loads or
-        re-initializes it the same way. `loss_weight(target microbatch) -> count`: each
-        microbatch's loss weighs its count's share of the batch's (a token loss's real tokens, say),
-        so that the step computes a token mean over the whole batch; default: every microbatch
-        weighs the same (see `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run
-        every forward under torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs
-        must come from a compile with the same autocast. `data_parallel` = D: `world_size` ranks
-        are D replicas of the pipeline (see `Replicas`); `rank` is the process' own (global) rank
-        and `program` that of its pipeline rank, rank // D."""
+        """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
+        CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
+        meta device is created there instead, from `init` (a checkpoint path or state dict by the model's names,
+        a function run on each submodule, or "reset"; see `runtime/materialize.py`); `init` on a real model
+        loads or re-initializes it the same way. `loss_weight(target microbatch) -> count`: each microbatch's
+        loss weighs its count's share of the batch's (a token loss's real tokens, say), so that the step
+        computes a token mean over the whole batch; default: every microbatch weighs the same (see
+        `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run every forward under
+        torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs must come from a compile with the
+        same autocast. `data_parallel` = D: `world_size` ranks are D replicas of the pipeline (see `Replicas`);
+        `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -202,8 +201,7 @@ class Engine:
                 raise ExecutionError(f"rank {rank}: program runs stage {instruction.stage} but this rank was given "
                                      f"stages {sorted(self.stages)}")
         first = next((p for s in stages for p in s.module.parameters()), None)
-        self.device = (torch.device(device) if device is not None
-                       else first.device if first is not None and not first.is_meta else torch.device("cpu"))
+        self.device = _engine_device(device, first, rank)
         materialize(stages, self.device, init, rank)
         self._random = {index: _stage_stream(index, self.device) for index in self.stages}
         """Per stage: its own random state (CPU, and the GPU's on a GPU), from torch.initial_seed()
@@ -949,6 +947,27 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
     return merged
+
+
+def _engine_device(device: torch.device | str | None, first: Tensor | None, rank: int) -> torch.device:
+    """The engine's device: the one given; else the stages' own GPU; else, under an NCCL process
+    group, this process's current GPU (what `launch` and torchrun set); else the stages' device
+    (the CPU for a model on the meta device). NCCL moves GPU tensors only: a CPU engine under it is
+    refused here, before its first message would fail inside NCCL."""
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+    if device is not None:
+        chosen = torch.device(device)
+    elif first is not None and first.device.type == "cuda":
+        chosen = first.device
+    elif nccl:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    else:
+        chosen = first.device if first is not None and not first.is_meta else torch.device("cpu")
+    if nccl and chosen.type != "cuda":
+        raise ExecutionError(f"rank {rank}: Engine(device={str(chosen)!r}) under an NCCL process group, which moves "
+                             "GPU tensors only; give device='cuda' (or leave it out), or start the processes with "
+                             "launch(..., backend='gloo') to run on CPUs")
+    return chosen
 
 
 def _stage_stream(index: int, device: torch.device) -> tuple[Tensor, Tensor | None]:

@@ -1,15 +1,119 @@
-"""The same exactness check on GPUs with NCCL and the communication stream (skipped without 2 GPUs)."""
+"""The exactness checks on GPUs: one GPU (every stage in one process, Triton kernels from
+torch.compile, bf16 autocast, the engine's default device under NCCL), and two or four with NCCL
+and the communication stream. Skipped where the machine has too few GPUs."""
 
 import pytest
 import torch
-from pipeline_helpers import assert_grads_close, make_case, reference
+from pipeline_helpers import assert_grads_close, build_model, greedy_plan, make_case, reference
 
 from octopipe.runtime import launch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+pytestmark = [pytest.mark.gpu, one_gpu]
+
+
+def _one_device_plan(stages, microbatches):
+    """Every stage on device 0, layers split evenly, B/W split (W ops fill the one device's gaps)."""
+    def build(graph, *_):
+        count = len(graph.layers)
+        sizes = [count * (k + 1) // stages - count * k // stages for k in range(stages)]
+        return greedy_plan(1, [0] * stages, microbatches, split=True, layers_per_stage=sizes)
+    return build
+
+
+def _gpu_reference(name):
+    """Single-GPU training of the same model on the same batch: (loss, grads on the CPU)."""
+    model, inputs, target, loss_fn = build_model(name)
+    model = model.cuda()
+    loss = loss_fn(model(*(t.cuda() for t in inputs)), target.cuda())
+    loss.backward()
+    return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gemma", "deepseek", "nemotron-h", "skipnet"])
+def test_one_gpu_pipeline_matches_single_gpu_training(name):
+    # four stages on one GPU: local hand-offs, split backward and the GPU's random state per stage
+    case = make_case(name, _one_device_plan(4, 4), 1, 4)
+    device = torch.device("cuda")
+    engine = case.engine(0, device=device)
+    loss = engine.step(case.inputs, case.target)
+    reference_loss, reference_grads = _gpu_reference(name)
+    assert loss == pytest.approx(reference_loss, rel=1e-4)
+    assert all(p.device.type == "cuda" for _, p in engine.named_parameters())
+    assert_grads_close({n: p.grad.cpu() for n, p in engine.named_parameters()}, reference_grads, name)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_stages_on_the_gpu_match_eager_stages():
+    # torch.compile on CUDA: Inductor's Triton kernels, with split backward's weight-gradient stash
+    eager = make_case("skipnet", _one_device_plan(2, 2), 1, 2, num_blocks=2)
+    compiled = make_case("skipnet", _one_device_plan(2, 2), 1, 2, num_blocks=2, compile=True)
+    device = torch.device("cuda")
+    results = []
+    for case in (eager, compiled):
+        engine = case.engine(0, device=device)
+        results.append((engine.step(case.inputs, case.target), {n: p.grad.cpu() for n, p in engine.named_parameters()}))
+    (eager_loss, eager_grads), (loss, grads) = results
+    assert loss == pytest.approx(eager_loss, rel=1e-5)
+    assert_grads_close(grads, eager_grads, "compiled")
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_on_one_gpu_matches_single_gpu_autocast_training():
+    import copy
+
+    from test_autocast import MICROBATCHES, _batch, _loss, _model
+
+    import octopipe
+
+    model = _model()
+    tokens, target = _batch()
+    pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=1, example_inputs=(tokens,),
+                            example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule="zb-v",
+                            autocast="bf16", quiet=True)
+    assert pipe.plan.num_stages == 2
+    engine = pipe.engine(0, device=torch.device("cuda"))
+    loss = engine.step((tokens,), target)
+    model = model.cuda()
+    total = 0.0
+    for x, y in zip(tokens.cuda().chunk(MICROBATCHES), target.cuda().chunk(MICROBATCHES)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            part = _loss(model(x), y) / MICROBATCHES
+        part.backward()
+        total += part.item()
+    assert loss == pytest.approx(total, rel=1e-3)
+    reference_grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    scale = max(g.abs().max().item() for g in reference_grads.values())
+    for name, p in engine.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), reference_grads[name], rtol=1e-2, atol=1e-3 * scale)
+
+
+def _default_device_step(rank, world_size, pipe, inputs, target):
+    engine = pipe.engine(rank)  # no device: under NCCL, this process's GPU
+    loss = engine.step(inputs, target)
+    cpu_refused = ""
+    try:
+        pipe.engine(rank, device="cpu")
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        cpu_refused = str(exc)
+    return engine.device.type, loss, cpu_refused
+
+
+@pytest.mark.timeout(300)
+def test_engine_under_nccl_runs_on_the_gpu_by_default():
+    import octopipe
+    from octopipe import models
+
+    model, inputs, target, _ = build_model("gemma")
+    pipe = octopipe.compile(model, "h100x8", num_devices=1, example_inputs=inputs, example_target=target,
+                            loss_fn=models.lm_loss, num_microbatches=4, schedule="zb-v", quiet=True)
+    [(device_type, loss, cpu_refused)] = launch(_default_device_step, 1, (pipe, inputs, target), timeout_s=240,
+                                                backend="nccl", start_method="spawn")
+    assert device_type == "cuda"
+    assert loss == pytest.approx(_gpu_reference("gemma")[0], rel=1e-4)
+    assert "NCCL process group" in cpu_refused and "backend='gloo'" in cpu_refused
 
 
 def _run_on_gpu(rank, world_size, family):
@@ -21,6 +125,7 @@ def _run_on_gpu(rank, world_size, family):
 
 
 @pytest.mark.timeout(300)
+@two_gpus
 @pytest.mark.parametrize("family", ["1f1b", "zb-v"])
 def test_nccl_matches_single_process(family):
     results = launch(_run_on_gpu, 2, (family,), timeout_s=240, backend="nccl", start_method="spawn")
@@ -41,6 +146,7 @@ def _meta_on_gpu(rank, world_size, path):
 
 
 @pytest.mark.timeout(300)
+@two_gpus
 def test_meta_model_built_on_each_gpu_matches_single_process(tmp_path):
     from pipeline_helpers import build_model
 
@@ -65,6 +171,7 @@ def _autocast_on_gpu(rank, world_size, pipe):
 
 
 @pytest.mark.timeout(300)
+@two_gpus
 def test_bf16_autocast_on_gpus_matches_single_gpu_autocast_training():
     # compiled for an NCCL cluster: the cross-stage dtypes come from a fake run on CUDA tensors,
     # where autocast's lists are CUDA's (einsum and more in bf16, not only the CPU's matmuls)
