@@ -7,9 +7,9 @@ group down and returns the workers' return values as a list indexed by rank. Any
 crash or overrun of `timeout_s` ends the job: the parent kills the others and raises
 `ExecutionError` naming the rank, with the worker's traceback text.
 
-Start method: `fork` on Linux while CUDA is not initialized in the parent (fast: workers inherit
-the parent's imports and objects, so `worker` and `args` need not pickle), else `spawn` (then they
-must). Return values travel pickled by value (tensors included). CPU workers run with
+Start method: `fork` on Linux with a CPU-only build of torch (fast: workers inherit the parent's
+imports and objects, so `worker` and `args` need not pickle), else `spawn` (then they must; a
+compiled Pipeline does); see `fork_is_safe`. Return values travel pickled by value (tensors included). CPU workers run with
 `torch.set_num_threads(1)`: ranks already use the cores, and gloo runs transfers on its own threads.
 The rendezvous store lives in rank 0 on a port the OS picked free just before: the parent runs no
 server thread, so nothing can hold a lock across the fork.
@@ -48,6 +48,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def fork_is_safe() -> bool:
+    """Whether forked workers can run torch: on Linux, with a CPU-only build of torch (a CUDA or
+    ROCm build starts autograd's device threads at the parent's first backward, and a child forked
+    after that cannot run backward at all), CUDA not initialized in the parent."""
+    return (sys.platform.startswith("linux") and torch.version.cuda is None and torch.version.hip is None
+            and not torch.cuda.is_initialized())
 
 
 def default_backend(nprocs: int) -> str:
@@ -95,8 +103,7 @@ def launch(
         raise ExecutionError(f"launch needs nprocs >= 1, got {nprocs}")
     backend = backend or default_backend(nprocs)
     if start_method is None:
-        fork_ok = sys.platform.startswith("linux") and not torch.cuda.is_initialized()
-        start_method = "fork" if fork_ok else "spawn"
+        start_method = "fork" if fork_is_safe() else "spawn"
     context = multiprocessing.get_context(start_method)
     port = _free_port()
     results = context.Queue()
