@@ -701,7 +701,8 @@ def compile(
         micro_target = microbatch((example_target,), num_microbatches)[0] if example_target is not None else None
         if loss_weight is not None:
             _check_loss_weight(loss_weight, example_target, num_microbatches)
-        table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims, autocast))
+        table = timed("costs", lambda: _costs_for(costs, graph, cluster, micro, micro_target, seq_dims, autocast,
+                                                  num_microbatches))
         if len(table) != len(graph.layers):
             raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
                                 f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
@@ -935,7 +936,8 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,
-               seq_dims: Mapping[str, int | None] | None = None, autocast: Any = None) -> CostTable:
+               seq_dims: Mapping[str, int | None] | None = None, autocast: Any = None,
+               num_microbatches: int = 1) -> CostTable:
     if isinstance(costs, CostTable):
         return costs
     if costs == "analytic":
@@ -947,7 +949,7 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
         from octopipe.passes.profile import profile_costs
 
         return profile_costs(graph, micro, example_target=micro_target if graph.layers[-1].kind == "loss" else None,
-                             autocast=autocast)
+                             autocast=autocast, num_microbatches=num_microbatches)
     if isinstance(costs, (str, Path)) and Path(costs).suffix in (".json", ".yaml", ".yml"):
         return CostTable.load(costs)
     raise OctopipeError(f"compile: costs must be 'analytic', 'profile', a cost table file or a CostTable, got {costs!r}")

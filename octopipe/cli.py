@@ -331,7 +331,7 @@ def _costs_from(args: argparse.Namespace, cluster):
         from octopipe.passes.profile import profile_costs
 
         micro_target = microbatch((target,), args.microbatches)[0] if target is not None else None
-        return profile_costs(graph, micro, example_target=micro_target), graph
+        return profile_costs(graph, micro, example_target=micro_target, num_microbatches=args.microbatches), graph
     return analytic_costs(graph, cluster, batch_size=int(micro[0].shape[0])), graph
 
 

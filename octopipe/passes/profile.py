@@ -16,6 +16,11 @@ and run alone on the captured inputs, so layers are timed separately:
   backward's share in proportion, W = (B+W) * W_split / (B_split + W_split), which stays positive
   and below B+W however noisy the timer; a layer with nothing to defer (no linear weights) has
   W = 0, as its W op in the runtime does nothing.
+- gradient accumulation: a step's microbatches after the first add their parameter gradients
+  into `.grad` (read both, write one: memory-bound, and as long as a big layer's backward in
+  bf16), which `autograd.grad` above does not do. With `num_microbatches` = M > 1 the addition
+  is timed on the layer's parameters, and (M-1)/M of it joins B+W, the part of the parameters W
+  defers joining W.
 Backward passes reuse one recorded forward (`retain_graph=True`) with random output gradients.
 Each measurement is warmed up, then the median of `repeats` runs. Timers: `time.perf_counter` on
 CPU; on CUDA `triton.testing.do_bench` when triton imports (median), else CUDA events, with a
@@ -52,9 +57,12 @@ def profile_costs(
     warmup: int = 2,
     device: torch.device | str | None = None,
     autocast: Any = None,
+    num_microbatches: int = 1,
 ) -> CostTable:
     """Measure F, B and W of every layer of `graph` on one example batch (see the module docstring).
-    `autocast` (None or "bf16"): every forward runs under torch.autocast, as the engine runs it."""
+    `autocast` (None or "bf16"): every forward runs under torch.autocast, as the engine runs it.
+    `num_microbatches`: the microbatches a step accumulates gradients over (the example batch is
+    one of them); B and W carry their share of the accumulation."""
     if graph.module is None:
         raise ExecutionError(
             "profile_costs: this LayerGraph has no traced module (it was parsed from text); trace the model"
@@ -63,6 +71,8 @@ def profile_costs(
         raise ExecutionError(
             f"profile_costs: repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}"
         )
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ExecutionError(f"profile_costs: num_microbatches must be a positive integer, got {num_microbatches!r}")
     gm: fx.GraphModule = graph.module
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if example_target is not None:
@@ -83,7 +93,8 @@ def profile_costs(
     captured = _capture(gm, inputs, graph, autocast_forward)
     layers = []
     for layer, sub in zip(graph.layers, layer_modules(graph)):
-        layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs), autocast_forward))
+        layers.append(_measure(layer, sub, captured, timer, frozenset(graph.inputs), autocast_forward,
+                               (num_microbatches - 1) / num_microbatches))
     sizes = {edge.name: sum(t.numel() * t.element_size() for t in _flat_tensors(captured[edge.name]))
              for edge in graph.skip_edges if edge.name in captured}
     return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes))
@@ -247,8 +258,9 @@ def _flat_tensors(value: Any) -> list[torch.Tensor]:
 
 def _measure(
     layer: Layer, sub: LayerModule, captured: dict[str, Any], timer: _Timer, model_inputs: frozenset[str],
-    autocast_forward: Callable[[], Any],
+    autocast_forward: Callable[[], Any], accumulating: float = 0.0,
 ) -> LayerCost:
+    """`accumulating`: the share of a step's microbatches that add their gradients into `.grad`."""
     params = [p for p in sub.module.parameters() if p.requires_grad]
     param_ids = {p.data_ptr() for p in sub.module.parameters()}
     param_bytes = sum(p.numel() * p.element_size() for p in sub.module.parameters())
@@ -292,7 +304,8 @@ def _measure(
             if name != "output"
             for t in _flat_tensors(value)
         )
-        backward_ms = input_only_ms = weight_only_ms = 0.0
+        backward_ms = input_only_ms = weight_only_ms = accumulate_ms = 0.0
+        deferred_share = 0.0
         if out_tensors and (act_inputs or params):
             grads = [torch.randn_like(t) for t in out_tensors]
 
@@ -300,7 +313,10 @@ def _measure(
                 return lambda: torch.autograd.grad(out_tensors, wrt, grads, retain_graph=True, allow_unused=True)
 
             backward_ms = timer(grad_of(act_inputs + params))
-            input_only_ms, weight_only_ms = _split_times(sub, inputs, act_inputs, grads, timer, autocast_forward)
+            input_only_ms, weight_only_ms, deferred_share = _split_times(sub, inputs, act_inputs, grads, timer,
+                                                                         autocast_forward)
+            if accumulating and params:
+                accumulate_ms = _accumulate_time(params, timer)
     except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
         raise ExecutionError(
             f"profile_costs: layer {layer.index} ({layer.name!r}) failed: {type(exc).__name__}: {exc}"
@@ -309,11 +325,12 @@ def _measure(
     # backward between B and W in the split's proportion.
     both = input_only_ms + weight_only_ms
     weight_ms = min(backward_ms, backward_ms * weight_only_ms / both) if both > 0 else 0.0
+    weight_ms += accumulating * accumulate_ms * deferred_share
     return LayerCost(
         name=layer.name,
         kind=layer.kind,
         forward_ms=forward_ms,
-        backward_ms=backward_ms,
+        backward_ms=backward_ms + accumulating * accumulate_ms,
         backward_weight_ms=weight_ms,
         activation_bytes=int(activation_bytes),
         output_bytes=int(output_bytes),
@@ -321,19 +338,36 @@ def _measure(
     )
 
 
+def _accumulate_time(params: list[torch.Tensor], timer: _Timer) -> float:
+    """Median ms of adding a gradient into each of `params`' `.grad` (AccumulateGrad's in-place
+    add, and W's), on stand-in tensors of their shapes and dtypes."""
+    sums = [torch.zeros_like(p) for p in params]
+    parts = [torch.ones_like(p) for p in params]
+
+    def accumulate() -> None:
+        for total, part in zip(sums, parts):
+            total.add_(part)
+
+    return timer(accumulate)
+
+
 def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Tensor], grads: list[torch.Tensor],
-                 timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[float, float]:
-    """Median ms of B and of W when the layer's backward is split the runtime's way; (0, 0)
-    when the rewrite finds no weight to defer."""
+                 timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[float, float, float]:
+    """Median ms of B and of W when the layer's backward is split the runtime's way, and the
+    share of the layer's trainable parameter bytes whose gradients W computes; (0, 0, 0) when the
+    rewrite finds no weight to defer."""
     from octopipe.passes.split_backward import split_backward
     from octopipe.runtime.stage import WeightGradStash, deferred_weight_grads
 
     split, deferred = split_backward(sub.module)
     if not deferred:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     deferred_params = [split.get_parameter(name) for name in deferred]
     deferred_ids = {id(p) for p in deferred_params}
     kept = [p for p in split.parameters() if p.requires_grad and id(p) not in deferred_ids]
+    deferred_bytes = sum(p.numel() * p.element_size() for p in deferred_params if p.requires_grad)
+    kept_bytes = sum(p.numel() * p.element_size() for p in kept)
+    share = deferred_bytes / (deferred_bytes + kept_bytes) if deferred_bytes + kept_bytes else 0.0
     saved_grads = {id(p): p.grad for p in deferred_params}
     with autocast_forward():
         outputs = [t for t in _flat_tensors(split(*inputs)) if t.requires_grad]
@@ -366,4 +400,4 @@ def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Ten
     finally:
         for param in deferred_params:  # W accumulated into the model's own .grad: put it back
             param.grad = saved_grads[id(param)]
-    return statistics.median(b_times), statistics.median(w_times)
+    return statistics.median(b_times), statistics.median(w_times), share

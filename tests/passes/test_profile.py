@@ -132,3 +132,81 @@ def test_profiles_on_the_gpu():
     graph = trace(model, inputs, loss_fn=lm_loss, example_target=target)
     table = profile_costs(graph, inputs, example_target=target, repeats=5, warmup=2)
     assert all(c.forward_ms > 0 and c.backward_ms >= c.backward_weight_ms >= 0 for c in table)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.norm(x)) + x
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_gradient_accumulation_joins_b_and_w(monkeypatch):
+    # every microbatch after the first adds its gradients into .grad: (M-1)/M of the timed addition
+    # joins B+W, and W's deferred weights' share of it joins W; nothing with one microbatch
+    from octopipe.passes import profile
+
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    x, y = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    graph = trace(model, (x,), loss_fn=nn.functional.mse_loss, example_target=y)
+    accumulated = []
+
+    def accumulate_time(params, timer):
+        accumulated.append(sum(p.numel() for p in params))
+        return 0.8
+
+    monkeypatch.setattr(profile._Timer, "__call__", lambda self, fn: 2.0)
+    monkeypatch.setattr(profile, "_accumulate_time", accumulate_time)
+    real_split = profile._split_times
+    shares = []
+
+    def split_times(*args):
+        share = real_split(*args)[2]
+        shares.append(share)
+        return (1.0, 1.0, share) if share else (0.0, 0.0, 0.0)
+
+    monkeypatch.setattr(profile, "_split_times", split_times)
+    single = profile_costs(graph, (x,), example_target=y, num_microbatches=1)
+    assert not accumulated
+    blocks = [cost for cost in single if cost.kind == "block"]
+    assert len(blocks) == 2 and all(c.backward_ms == 2.0 and c.backward_weight_ms == 1.0 for c in blocks)
+    shares.clear()
+    four = profile_costs(graph, (x,), example_target=y, num_microbatches=4)
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert accumulated == [per_block, per_block]  # the blocks' parameters; the loss layer has none
+    linear = sum(p.numel() for p in model.blocks[0].proj.parameters())
+    assert [s for s in shares if s] == [pytest.approx(linear / per_block)] * 2  # W defers the linear's weight, bias
+    for cost in (c for c in four if c.kind == "block"):
+        assert cost.backward_ms == pytest.approx(2.0 + 0.75 * 0.8)
+        assert cost.backward_weight_ms == pytest.approx(1.0 + 0.75 * 0.8 * linear / per_block)
+    with pytest.raises(ExecutionError, match="num_microbatches must be a positive integer"):
+        profile_costs(graph, (x,), example_target=y, num_microbatches=0)
+
+
+def test_compile_profiles_with_its_microbatch_count(monkeypatch):
+    import octopipe
+    from octopipe.passes import profile
+
+    seen = []
+    real = profile.profile_costs
+    monkeypatch.setattr(profile, "profile_costs", lambda *a, **k: seen.append(k["num_microbatches"]) or real(*a, **k))
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8), torch.randn(8, 3, 8)
+    octopipe.compile(_TwoBlocks(), "cpux2", example_inputs=(x,), example_target=y, loss_fn=nn.functional.mse_loss,
+                     num_microbatches=4, costs="profile", schedule="1f1b", quiet=True)
+    assert seen == [4]
