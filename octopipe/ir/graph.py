@@ -14,7 +14,7 @@ serialized; the text form is what a user reads (`print(graph)`), and parses back
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from octopipe.errors import ParseError
@@ -86,7 +86,15 @@ class LayerGraph:
     method: str = "fx"
     """How it was traced: `fx` (torch.fx symbolic trace) or `export` (torch.export)."""
     module: Any = field(default=None, compare=False, repr=False)
-    """The traced torch.fx.GraphModule whose nodes the layers name (not part of the text form)."""
+    """The traced torch.fx.GraphModule whose nodes the layers name (not part of the text form; not
+    pickled: it stays in the process that traced it, and a torch.export one does not pickle)."""
+
+    def __getstate__(self) -> list[Any]:
+        return [None if f.name == "module" else getattr(self, f.name) for f in fields(self)]
+
+    def __setstate__(self, state: list[Any]) -> None:
+        for f, value in zip(fields(self), state):
+            object.__setattr__(self, f.name, value)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -62,9 +62,10 @@ def default_backend(nprocs: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs and dist.is_nccl_available() else "gloo"
 
 
-def _child(rank: int, nprocs: int, port: int, backend: str, timeout_s: float, worker: Callable[..., Any],
-           args: Sequence[Any], results: Any, stack_file: str) -> None:
+def _child(rank: int, nprocs: int, port: int, backend: str, timeout_s: float,
+           work: tuple[Callable[..., Any], Sequence[Any]] | bytes, results: Any, stack_file: str) -> None:
     try:
+        worker, args = pickle.loads(work) if isinstance(work, bytes) else work
         # on a timeout the parent sends SIGUSR1 first: every thread's stack goes to stack_file
         stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the process
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -109,9 +110,22 @@ def launch(
     results = context.Queue()
     stack_dir = tempfile.mkdtemp(prefix="octopipe-launch-")
     stack_files = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(nprocs)]
+    work: tuple[Callable[..., Any], Sequence[Any]] | bytes = (worker, tuple(args))
+    if start_method != "fork":
+        # by value, as fork gives them: multiprocessing's own pickler would hand CPU tensors over in
+        # shared memory, and the workers' training would change the caller's model
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20_000))  # pickling recurses once per level of nested objects
+        try:
+            work = pickle.dumps(work)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure
+            raise ExecutionError(f"launch: the worker and its args must pickle to start processes with "
+                                 f"{start_method!r} (CUDA initialized, or a CUDA build of torch): {exc}; define the "
+                                 "worker at module level and pass picklable args") from exc
+        finally:
+            sys.setrecursionlimit(limit)
     processes = [
-        context.Process(target=_child, args=(rank, nprocs, port, backend, timeout_s, worker, tuple(args), results,
-                                             stack_files[rank]),
+        context.Process(target=_child, args=(rank, nprocs, port, backend, timeout_s, work, results, stack_files[rank]),
                         name=f"octopipe-rank{rank}", daemon=True)
         for rank in range(nprocs)
     ]

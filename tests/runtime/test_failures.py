@@ -95,6 +95,28 @@ def test_launch_returns_values_by_rank():
     assert launch(_sum_of_ranks, 3, timeout_s=60) == [(r, 3, 3.0, 1, str(r)) for r in range(3)]
 
 
+def _adds_rank(rank, world_size, tensor):
+    tensor.add_(rank + 1)  # in place, as an optimizer step changes parameters
+    return tensor.sum().item()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_launch_gives_workers_copies_of_their_args(method):
+    # spawn as a CUDA build of torch makes launch use it: multiprocessing's pickler would share CPU
+    # tensors with the workers, whose training then changed the caller's model
+    import torch
+
+    tensor = torch.zeros(4)
+    assert launch(_adds_rank, 2, (tensor,), timeout_s=60, start_method=method) == [4.0, 8.0]
+    assert torch.equal(tensor, torch.zeros(4))
+
+
+def test_launch_without_fork_refuses_args_that_do_not_pickle():
+    with pytest.raises(ExecutionError, match="must pickle to start processes with 'spawn'"):
+        launch(_adds_rank, 2, (lambda: None,), timeout_s=60, start_method="spawn")
+
+
 def _returns_then_lingers(rank, world_size, marker):
     import threading
 

@@ -53,6 +53,12 @@ def test_huggingface_model_trains_exactly_on_two_ranks(kind):
     pipes = [octopipe.compile(model, CLUSTER, example_inputs=(ids,), example_target=target, loss_fn=_loss,
                               num_microbatches=2, schedule=name) for name in SCHEDULES]
     assert pipes[0].graph.method == "export"  # transformers models need torch.export, not fx
+    # a pipeline travels pickled where launch spawns (a CUDA build of torch): the exported module,
+    # which does not pickle, stays here
+    import pickle
+
+    back = pickle.loads(pickle.dumps(pipes[0]))
+    assert back.graph == pipes[0].graph and back.graph.module is None and back.plan == pipes[0].plan
     # the stages share the model's parameter objects (and so .grad): run the reference after the
     # workers have forked, as engines accumulate into .grad like backward() does
     per_rank = launch(_worker, 2, args=(pipes, ids, target))
