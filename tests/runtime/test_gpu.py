@@ -62,6 +62,18 @@ def test_compiled_stages_on_the_gpu_match_eager_stages():
 
 @pytest.mark.timeout(300)
 def test_bf16_autocast_on_one_gpu_matches_single_gpu_autocast_training():
+    from test_autocast import _batch
+
+    model, pipe = _autocast_pipe(1, "zb-v")
+    assert pipe.plan.num_stages == 2
+    engine = pipe.engine(0, device=torch.device("cuda"))
+    tokens, target = _batch()
+    loss = engine.step((tokens,), target)
+    _assert_matches_autocast_training(loss, {n: p.grad.cpu() for n, p in engine.named_parameters()}, model)
+
+
+def _autocast_pipe(num_devices, schedule):
+    """test_autocast's model and its bf16-autocast pipeline, compiled for an NCCL cluster."""
     import copy
 
     from test_autocast import MICROBATCHES, _batch, _loss, _model
@@ -70,12 +82,18 @@ def test_bf16_autocast_on_one_gpu_matches_single_gpu_autocast_training():
 
     model = _model()
     tokens, target = _batch()
-    pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=1, example_inputs=(tokens,),
-                            example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule="zb-v",
+    pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=num_devices, example_inputs=(tokens,),
+                            example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule=schedule,
                             autocast="bf16", quiet=True)
-    assert pipe.plan.num_stages == 2
-    engine = pipe.engine(0, device=torch.device("cuda"))
-    loss = engine.step((tokens,), target)
+    return model, pipe
+
+
+def _assert_matches_autocast_training(loss, grads, model):
+    """`loss` and `grads` (by name, on the CPU) are those of single-GPU autocast training of
+    `model` on test_autocast's batch, microbatch by microbatch (bf16 rounding apart)."""
+    from test_autocast import MICROBATCHES, _batch, _loss
+
+    tokens, target = _batch()
     model = model.cuda()
     total = 0.0
     for x, y in zip(tokens.cuda().chunk(MICROBATCHES), target.cuda().chunk(MICROBATCHES)):
@@ -84,10 +102,10 @@ def test_bf16_autocast_on_one_gpu_matches_single_gpu_autocast_training():
         part.backward()
         total += part.item()
     assert loss == pytest.approx(total, rel=1e-3)
-    reference_grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
-    scale = max(g.abs().max().item() for g in reference_grads.values())
-    for name, p in engine.named_parameters():
-        torch.testing.assert_close(p.grad.cpu(), reference_grads[name], rtol=1e-2, atol=1e-3 * scale)
+    reference = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    scale = max(g.abs().max().item() for g in reference.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-2, atol=1e-3 * scale)
 
 
 def _default_device_step(rank, world_size, pipe, inputs, target):
@@ -175,31 +193,9 @@ def _autocast_on_gpu(rank, world_size, pipe):
 def test_bf16_autocast_on_gpus_matches_single_gpu_autocast_training():
     # compiled for an NCCL cluster: the cross-stage dtypes come from a fake run on CUDA tensors,
     # where autocast's lists are CUDA's (einsum and more in bf16, not only the CPU's matmuls)
-    import copy
-
-    from test_autocast import MICROBATCHES, _batch, _loss, _model
-
-    import octopipe
-
-    model = _model()
-    tokens, target = _batch()
-    pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=2, example_inputs=(tokens,),
-                            example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule="zb-h1",
-                            autocast="bf16", quiet=True)
+    model, pipe = _autocast_pipe(2, "zb-h1")
     results = launch(_autocast_on_gpu, 2, (pipe,), timeout_s=240, backend="nccl", start_method="spawn")
-    model = model.cuda()
-    total = 0.0
-    for x, y in zip(tokens.cuda().chunk(MICROBATCHES), target.cuda().chunk(MICROBATCHES)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = _loss(model(x), y) / MICROBATCHES
-        loss.backward()
-        total += loss.item()
-    reference = {n: p.grad.cpu() for n, p in model.named_parameters()}
-    grads = {**results[0][1], **results[1][1]}
-    assert results[0][0] == pytest.approx(total, rel=1e-3)
-    scale = max(g.abs().max().item() for g in reference.values())
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference[name], rtol=1e-2, atol=1e-3 * scale)
+    _assert_matches_autocast_training(results[0][0], {**results[0][1], **results[1][1]}, model)
 
 
 def _replicas_on_gpus(rank, world_size):
