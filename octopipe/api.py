@@ -448,7 +448,7 @@ class Pipeline:
     """The planner's runners-up (`PlanResult.runners_up`) when compile planned; compile one with
     `compile(..., plan=p, costs=pipe.costs)` to measure it beside this plan."""
     autocast: Any = None
-    """compile's autocast dtype (torch.bfloat16) or None, given to every engine."""
+    """compile's autocast dtype (torch.bfloat16 or torch.float16) or None, given to every engine."""
     data_parallel: int = 1
     """Replicas of the pipeline (compile's `data_parallel`): `world_size` is the plan's devices
     times it, and rank r runs pipeline rank r // data_parallel of replica r % data_parallel."""
@@ -655,9 +655,10 @@ def compile(
     averages (`lambda t: (t != -100).sum()` for cross_entropy's ignore_index), the step's loss and
     gradients are the token mean over the whole batch, as in plain training (Megatron's
     per-token loss). Computed from the target on the loss stage's rank each step.
-    autocast: None or "bf16" (torch.bfloat16): mixed precision, every stage's forward under
-    torch.autocast as plain autocast training runs it (fp32 parameters and gradients; tensors cross
-    stages in autocast's dtypes; `costs="profile"` measures under it too; see `runtime/amp.py`).
+    autocast: None, "bf16" (torch.bfloat16) or "fp16" (torch.float16, with dynamic loss scaling as
+    GradScaler does it, across ranks): mixed precision, every stage's forward under torch.autocast
+    as plain autocast training runs it (fp32 parameters and gradients; tensors cross stages in
+    autocast's dtypes; `costs="profile"` measures under it too; see `runtime/amp.py`).
     data_parallel: D replicas of the pipeline over the cluster's devices (Megatron's order: the D
     copies of a pipeline rank are neighbouring ranks, `ClusterSpec.replica`); the plan is made for
     one replica's devices (num_devices, if given, counts those), the example batch is one

@@ -666,7 +666,7 @@ CANDIDATE_STEPS = 3
 """Steps each candidate plan runs in `train --candidates` (after one warm-up step)."""
 
 
-AUTOCAST_CHOICES = ("bf16",)
+AUTOCAST_CHOICES = ("bf16", "fp16")
 """`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
 
 
@@ -890,7 +890,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true", help="plan with measured costs")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
-                   help="mixed precision: every forward under torch.autocast in bfloat16 (fp32 weights and gradients)")
+                   help="mixed precision: every forward under torch.autocast in bfloat16, or float16 with dynamic loss "
+                        "scaling (fp32 weights and gradients)")
     p.add_argument("--data-parallel", type=_positive_int, default=None, metavar="D",
                    help="D replicas of the pipeline, gradients summed each step (default: a plan file's count, "
                         "else 1; --nprocs counts all ranks: default 2 x D, or the plan's devices x D)")
@@ -922,7 +923,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the IR level to print (default plan)")
     p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
-                   help="compile for bfloat16 autocast (the stages level shows the dtypes sent between stages)")
+                   help="compile for bfloat16 or float16 autocast (the stages level shows the dtypes sent between stages)")
     p.set_defaults(run=cmd_dump)
     return parser
 

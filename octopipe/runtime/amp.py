@@ -9,8 +9,15 @@ single-device training that runs `loss_fn(model(x), y)` under `torch.autocast(de
 for each microbatch. The split backward's linears (`passes/split_backward.py`) cast their operands
 as autocast would, so W's weight gradients are the same bf16 matmuls.
 
-Only bfloat16: float16 needs loss scaling (a GradScaler whose inf/nan check spans every rank),
-which the runtime does not do. A recomputing stage runs its second forward under the same autocast.
+`autocast="fp16"` (torch.float16) adds dynamic loss scaling, as `torch.amp.GradScaler` does it
+(`LossScaler`, the same defaults): the loss stage's backward starts from the microbatch's weight
+times the current scale, so gradients (the fp16 ones sent between stages too) are scaled; at the
+end of `Engine.step` every rank divides its gradients by the scale and checks them, and the ranks
+agree (one all-reduce) whether any gradient anywhere is inf or nan. If one is, every rank drops its
+gradients (`.grad = None`: an optimizer then steps nothing, as GradScaler skips the step), the
+step is marked skipped (`Engine.skipped_step`) and the scale halves; after `growth_interval` good
+steps in a row it doubles. So `.grad` after `step` holds true gradients, ready for clipping and any
+optimizer. A recomputing stage runs its second forward under the same autocast.
 """
 
 from __future__ import annotations
@@ -22,23 +29,58 @@ import torch
 
 from octopipe.errors import ArgumentError
 
-_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16}
 
 
 def autocast_dtype(value: Any, where: str) -> torch.dtype | None:
-    """The autocast dtype `value` names (None, "bf16", "bfloat16", torch.bfloat16), or an
-    ArgumentError from `where` saying what is taken."""
+    """The autocast dtype `value` names (None, "bf16", "bfloat16", torch.bfloat16, "fp16",
+    "float16", torch.float16), or an ArgumentError from `where` saying what is taken."""
     if value is None:
         return None
-    if value is torch.bfloat16:
+    if value is torch.bfloat16 or value is torch.float16:
         return value
     name = value.lower().removeprefix("torch.") if isinstance(value, str) else None
     if name in _NAMES:
         return _NAMES[name]
-    if value is torch.float16 or name in ("fp16", "float16", "half"):
-        raise ArgumentError(f"{where}: float16 autocast needs loss scaling (a GradScaler whose inf check spans every "
-                            "rank), which octopipe does not do; use 'bf16' (no scaling needed)")
-    raise ArgumentError(f"{where}: autocast takes None or 'bf16' (torch.bfloat16), got {value!r}")
+    raise ArgumentError(f"{where}: autocast takes None, 'bf16' (torch.bfloat16) or 'fp16' (torch.float16, with loss "
+                        f"scaling), got {value!r}")
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 autocast, `torch.amp.GradScaler`'s rule and defaults: start
+    at `init_scale`; a step with an inf or nan gradient anywhere multiplies the scale by
+    `backoff_factor`; `growth_interval` good steps in a row multiply it by `growth_factor`."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ArgumentError(f"LossScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                                f"growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor}, "
+                                f"{growth_interval}")
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: back off on an inf/nan gradient, grow after enough good steps."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
 
 
 def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:

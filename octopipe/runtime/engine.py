@@ -16,8 +16,10 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   input leaves, whose gradients go to the producers; `backward_input` opens a
   `WeightGradStash` so split linear layers defer weight gradients, and `backward_weight` runs it;
   a microbatch's activations are dropped as soon as its last backward op on the stage ran;
-- with `autocast` (bf16; `runtime/amp.py`) every forward, a recomputing stage's second one
-  included, runs under torch.autocast on the engine's device; backward runs outside it;
+- with `autocast` (bf16 or fp16; `runtime/amp.py`) every forward, a recomputing stage's second
+  one included, runs under torch.autocast on the engine's device; backward runs outside it; fp16
+  scales the loss stage's backward by the `LossScaler`'s scale and `step` unscales and checks
+  every gradient (all ranks agree: an inf or nan anywhere drops every gradient, see amp.py);
 - a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
   engine's CUDA device), and its B first runs the forward again with grad on those inputs and that
   RNG state (the same dropout masks; the RNG stream outside is left as it was, as
@@ -164,6 +166,7 @@ class Engine:
         loss_weight: Callable[[Tensor], Any] | None = None,
         autocast: torch.dtype | str | None = None,
         data_parallel: int = 1,
+        loss_scaler: amp.LossScaler | None = None,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -175,7 +178,9 @@ class Engine:
         `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run every forward under
         torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs must come from a compile with the
         same autocast. `data_parallel` = D: `world_size` ranks are D replicas of the pipeline (see `Replicas`);
-        `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D."""
+        `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D.
+        `loss_scaler`: fp16 autocast's dynamic loss scale (default `amp.LossScaler()`, GradScaler's
+        defaults); refused without fp16."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -195,6 +200,12 @@ class Engine:
                                 f"got {type(loss_weight).__name__}")
         self.loss_weight = loss_weight
         self.autocast = amp.autocast_dtype(autocast, f"rank {rank}: Engine(autocast=...)")
+        if loss_scaler is not None and self.autocast is not torch.float16:
+            raise ArgumentError(f"rank {rank}: Engine(loss_scaler=...) is for fp16 autocast (bf16 and fp32 need no "
+                                f"loss scaling), but autocast is {self.autocast}")
+        self.loss_scaler = (loss_scaler or amp.LossScaler()) if self.autocast is torch.float16 else None
+        self.skipped_step = False
+        """fp16: whether the last `step` found an inf or nan gradient and dropped the gradients."""
         self.stages = {stage.index: stage for stage in stages}
         for instruction in program.instructions:
             if instruction.stage is not None and instruction.stage not in self.stages:
@@ -465,12 +476,12 @@ class Engine:
                                     f"but got no target: call {call[:-2]}(inputs, target)")
             self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}",
                                                self._total_over_replicas if replicas > 1 else None)
-        # a tied gradient is all-reduced (every gradient, with replicas): set aside what earlier
-        # steps accumulated, so only this step's contributions are summed across ranks (added back
-        # at `step`)
+        # a tied gradient is all-reduced (every gradient, with replicas; and with fp16 every one is
+        # unscaled): set aside what earlier steps accumulated, so only this step's contributions
+        # are summed across ranks and unscaled (added back at `step`)
         self._tied_earlier = {}
-        for name in (sorted(self._params) if self.replicas.size > 1 else sorted(self._tied_ranks)) \
-                if not self._evaluating else ():
+        every = self.replicas.size > 1 or self.loss_scaler is not None
+        for name in (sorted(self._params) if every else sorted(self._tied_ranks)) if not self._evaluating else ():
             param = self._params.get(name)
             if param is not None:
                 self._tied_earlier[name] = param.grad
@@ -673,7 +684,8 @@ class Engine:
         grads: list[Tensor] = []
         if stage.is_loss:
             tensors.append(slot.outputs[0])
-            grads.append(torch.full_like(slot.outputs[0], self._weights[m]))
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+            grads.append(torch.full_like(slot.outputs[0], self._weights[m] * scale))
         else:
             for j, spec in enumerate(stage.outputs):
                 grad = slot.output_grads[j]
@@ -737,6 +749,8 @@ class Engine:
         self._reductions = []
         if self.replicas.size > 1 and not self._evaluating:
             self._reduce_over_replicas(i)
+        if self.loss_scaler is not None and not self._evaluating:
+            self._unscale(i)
         for name, earlier in self._tied_earlier.items():
             if earlier is not None:
                 param = self._params[name]
@@ -751,6 +765,26 @@ class Engine:
         self._loss = float(loss)
         self._slots.clear()
         self._micro = []
+
+    def _unscale(self, i: Instruction) -> None:
+        """fp16: divide this step's gradients by the loss scale and agree with every rank whether
+        any is inf or nan; if one is, drop all gradients (earlier steps' too) and skip the step."""
+        scaler = self.loss_scaler
+        assert scaler is not None
+        inverse = 1.0 / scaler.scale
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
+        for param in self._params.values():
+            if param.grad is not None:
+                param.grad.mul_(inverse)
+                found = torch.maximum(found, (~torch.isfinite(param.grad)).any().float())
+        if self.world_size > 1 and dist.is_initialized():
+            self.transport.finish(self.transport.all_reduce(found, f"{self._where(i)}: the inf/nan check of fp16"))
+        self.skipped_step = bool(found > 0)
+        if self.skipped_step:
+            for param in self._params.values():
+                param.grad = None
+            self._tied_earlier = {}
+        scaler.update(self.skipped_step)
 
     def _broadcast_from_first_replica(self) -> None:
         """Collective over each data-parallel group: replica 0's parameters and buffers, flat per
@@ -831,6 +865,8 @@ class Engine:
         state: dict[str, Any] = {"model": model}
         if self.optimizer is not None:
             state["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -839,6 +875,8 @@ class Engine:
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
         if self.optimizer is not None and "optimizer" in state:
             load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
@@ -926,6 +964,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
 
 def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Union of per-rank shards: one entry per original name (tied copies are equal)."""
+    shards = list(shards)
     model: dict[str, Any] = {}
     optimizer_state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -946,6 +985,9 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"model": model}
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
+    scalers = [shard["loss_scaler"] for shard in shards if "loss_scaler" in shard]
+    if scalers:  # every rank's is the same: they decide each step together
+        merged["loss_scaler"] = scalers[0]
     return merged
 
 

@@ -1,8 +1,9 @@
-"""compile(autocast="bf16"): every stage's forward under torch.autocast, tensors crossing stages
+"""compile(autocast="bf16" | "fp16"): every stage's forward under torch.autocast, tensors crossing stages
 in autocast's dtypes, equals plain autocast training (each microbatch's loss_fn(model(x), y) under
 torch.autocast, backward outside it), loss and every gradient, under 1F1B, ZB-H1 (split B/W
 linears), interleaved 1F1B and a recomputing plan; and it is not plain fp32 training (the test
-could fail)."""
+could fail). fp16 adds loss scaling: equal to torch.amp.GradScaler training, and an overflow
+anywhere skips the step on every rank."""
 
 import pytest
 import torch
@@ -121,11 +122,9 @@ def test_autocast_arguments_are_checked():
         return octopipe.compile(model, "cpux2", example_inputs=(tokens,), example_target=target, loss_fn=_loss,
                                 num_microbatches=2, schedule="1f1b", quiet=True, **options)
 
-    with pytest.raises(ArgumentError, match="loss scaling"):
-        compile_with(autocast="fp16")
-    with pytest.raises(ArgumentError, match="loss scaling"):
-        compile_with(autocast=torch.float16)
-    with pytest.raises(ArgumentError, match="'bf16'"):
+    assert compile_with(autocast="fp16").autocast is torch.float16
+    assert compile_with(autocast=torch.float16).autocast is torch.float16
+    with pytest.raises(ArgumentError, match="'bf16'.*'fp16'"):
         compile_with(autocast="int8")
     pipe = compile_with(autocast=torch.bfloat16)
     assert pipe.autocast is torch.bfloat16 and compile_with(autocast="bfloat16").autocast is torch.bfloat16
@@ -185,5 +184,84 @@ def test_profile_costs_measure_under_autocast():
     mixed = profile_costs(graph, micro, example_target=target[:4], repeats=1, warmup=0, autocast="bf16")
     up = next(i for i, layer in enumerate(graph.layers) if layer.name.startswith("up"))
     assert mixed.layers[up].output_bytes == plain.layers[up].output_bytes / 2  # its bf16 output is what it sends
-    with pytest.raises(ArgumentError, match="loss scaling"):
-        profile_costs(graph, micro, example_target=target[:4], autocast="fp16")
+    half = profile_costs(graph, micro, example_target=target[:4], repeats=1, warmup=0, autocast="fp16")
+    assert half.layers[up].output_bytes == mixed.layers[up].output_bytes
+    with pytest.raises(ArgumentError, match="autocast takes"):
+        profile_costs(graph, micro, example_target=target[:4], autocast="fp8")
+
+
+def _plain_fp16(model):
+    """torch.amp.GradScaler training of each microbatch under fp16 autocast: (loss, unscaled grads)."""
+    tokens, target = _batch()
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    total = 0.0
+    for x, y in zip(tokens.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model(x), y) / MICROBATCHES
+        scaler.scale(loss).backward()
+        total += loss.item()
+    scaler.unscale_(optimizer)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def _overflow_worker(rank, world_size, pipe):
+    # a scale so large the fp16 gradients overflow on the loss stage's rank: every rank must skip
+    from octopipe.runtime.amp import LossScaler
+
+    tokens, target = _batch()
+    engine = pipe.engine(rank, timeout_s=30, loss_scaler=LossScaler(init_scale=2.0**100))
+    engine.step((tokens,), target)
+    skipped = (engine.skipped_step, all(p.grad is None for _, p in engine.named_parameters()),
+               engine.loss_scaler.scale, engine.state_dict()["loss_scaler"])
+    engine.loss_scaler.scale = 2.0**16
+    loss = engine.step((tokens,), target)
+    return skipped, (engine.skipped_step, loss, {name: p.grad.clone() for name, p in engine.named_parameters()})
+
+
+@pytest.mark.timeout(180)
+def test_fp16_pipeline_equals_gradscaler_training_and_skips_overflowing_steps_together():
+    model = _model()
+    pipes = _pipes(model, autocast="fp16")
+    crossing = {spec.dtype for pipe in pipes for stage in pipe.stages for spec in stage.outputs}
+    assert torch.float16 in crossing  # scaled fp16 gradients come back across stages too
+    per_rank = launch(_worker, 2, args=(pipes,))
+    plain_loss, plain_grads = _plain_fp16(model)
+    bf16_loss, _ = _plain(model, autocast=True)
+    assert abs(plain_loss - bf16_loss) > 1e-4  # fp16 is really on
+    for index, name in enumerate(SCHEDULES):
+        assert per_rank[0][index][0] == pytest.approx(plain_loss, rel=1e-6), name
+        grads = {**per_rank[0][index][1], **per_rank[1][index][1]}
+        assert set(grads) == set(plain_grads)
+        for param, grad in grads.items():
+            assert grad.dtype == torch.float32, (name, param)
+            assert torch.equal(grad, plain_grads[param]), (name, param)  # unscaled as GradScaler unscales
+    results = launch(_overflow_worker, 2, args=(pipes[1],))
+    for skipped, _ in results:
+        assert skipped == (True, True, 2.0**99, {"scale": 2.0**99, "good_steps": 0})
+    assert not any(after[0] for _, after in results)
+    assert results[0][1][1] == pytest.approx(plain_loss, rel=1e-6)
+    grads = {**results[0][1][2], **results[1][1][2]}
+    assert all(torch.equal(grad, plain_grads[name]) for name, grad in grads.items())
+
+
+def test_loss_scaler_grows_backs_off_and_is_only_for_fp16():
+    from octopipe.runtime.amp import LossScaler
+
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    scaler.update(False)
+    assert scaler.scale == 8.0
+    scaler.update(False)
+    assert scaler.scale == 16.0 and scaler.good_steps == 0
+    scaler.update(False)
+    scaler.update(True)  # backs off and starts counting again
+    assert scaler.scale == 8.0 and scaler.good_steps == 0
+    with pytest.raises(ArgumentError, match="backoff_factor"):
+        LossScaler(backoff_factor=2.0)
+    tokens, target = _batch()
+    pipe = octopipe.compile(_model(), "cpux2", example_inputs=(tokens,), example_target=target, loss_fn=_loss,
+                            num_microbatches=2, schedule="1f1b", autocast="bf16", quiet=True)
+    with pytest.raises(ArgumentError, match="loss_scaler=.*is for fp16"):
+        pipe.engine(0, loss_scaler=LossScaler())
