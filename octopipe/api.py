@@ -945,7 +945,8 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
         from octopipe.passes.costs import analytic_costs
 
         batch_size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "shape") and micro[0].dim() else 1
-        return analytic_costs(graph, cluster, batch_size=batch_size, seq_dims=seq_dims)
+        return analytic_costs(graph, cluster, batch_size=batch_size, seq_dims=seq_dims,
+                              num_microbatches=num_microbatches)
     if costs == "profile":
         from octopipe.passes.profile import profile_costs
 

@@ -332,7 +332,7 @@ def _costs_from(args: argparse.Namespace, cluster):
 
         micro_target = microbatch((target,), args.microbatches)[0] if target is not None else None
         return profile_costs(graph, micro, example_target=micro_target, num_microbatches=args.microbatches), graph
-    return analytic_costs(graph, cluster, batch_size=int(micro[0].shape[0])), graph
+    return analytic_costs(graph, cluster, batch_size=int(micro[0].shape[0]), num_microbatches=args.microbatches), graph
 
 
 def _cost_table(path: str, hidden_size: int | None):

@@ -319,3 +319,14 @@ class _Scaled(torch.nn.Module):
         for layer in self.layers:
             x = layer(x) * scale
         return x
+
+
+def test_analytic_costs_count_the_gradient_accumulation_of_the_step():
+    from octopipe.passes.costs import analytic_costs
+
+    model, x, y = _tiny("llama")
+    pipe = octopipe.compile(model, "h100x8", num_devices=2, example_inputs=x, example_target=y,
+                            loss_fn=models.lm_loss, num_microbatches=4, schedule="1f1b", quiet=True)
+    batch = x[0].shape[0] // 4 if isinstance(x, tuple) else x.shape[0] // 4
+    assert pipe.costs == analytic_costs(pipe.graph, pipe.cluster, batch_size=batch, num_microbatches=4)
+    assert pipe.costs != analytic_costs(pipe.graph, pipe.cluster, batch_size=batch)

@@ -257,3 +257,29 @@ def test_head_to_block_ratios_land_within_2x_of_the_profiles(paper_graphs):
     assert {row.model for row in checked} == {"gemma", "deepseek", "nemotron-h"}
     for row in checked:
         assert row.factor <= 2.0, row
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek"])
+def test_gradient_accumulation_adds_its_memory_traffic_to_b_and_w(name):
+    # each microbatch after the first reads .grad and the new gradient and writes .grad: 3 x the
+    # layer's gradient bytes at memory bandwidth, (M-1)/M of it a microbatch; W gets the linear
+    # layers' share (what the split backward defers; deepseek's einsum experts stay in B)
+    graph = tiny_graph(name)
+    one = analytic_costs(graph, H100, batch_size=2)
+    four = analytic_costs(graph, H100, batch_size=2, num_microbatches=4)
+    params = dict(graph.module.named_parameters(remove_duplicate=False))
+    modules = graph.module.meta["octopipe.modules"]
+    saw_einsum_experts = False
+    for graph_layer, single, accumulated in zip(graph.layers, one, four):
+        grad_bytes = sum(params[n].numel() * 4 for n in graph_layer.parameters)
+        linear_bytes = sum(params[n].numel() * 4 for n in graph_layer.parameters
+                           if isinstance(modules[n.rpartition(".")[0]], nn.Linear))
+        added_ms = 0.75 * 3 * grad_bytes / H100.memory_bandwidth * 1e3
+        assert accumulated.forward_ms == single.forward_ms
+        assert accumulated.backward_ms - single.backward_ms == pytest.approx(added_ms, rel=1e-9, abs=1e-12)
+        assert accumulated.backward_weight_ms - single.backward_weight_ms == pytest.approx(
+            added_ms * linear_bytes / grad_bytes if grad_bytes else 0.0, rel=1e-9, abs=1e-12)
+        saw_einsum_experts |= any(n.endswith("expert_up_weight") for n in graph_layer.parameters)
+    assert saw_einsum_experts == (name == "deepseek")
+    with pytest.raises(OctopipeError, match="num_microbatches must be a positive integer"):
+        analytic_costs(graph, H100, batch_size=2, num_microbatches=0)
