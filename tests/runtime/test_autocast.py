@@ -105,13 +105,18 @@ def test_autocast_pipeline_equals_plain_autocast_training():
     plain_loss, plain_grads = _plain(model, autocast=True)
     fp32_loss, _ = _plain(model, autocast=False)
     assert abs(plain_loss - fp32_loss) > 1e-4  # bf16 matmuls change the loss: autocast is really on
+    _assert_every_schedule_equals(per_rank, plain_loss, plain_grads)  # the same kernels on the same values
+
+
+def _assert_every_schedule_equals(per_rank, plain_loss, plain_grads):
+    """Each schedule's loss, and every gradient bitwise, in fp32, over both ranks."""
     for index, name in enumerate(SCHEDULES):
         assert per_rank[0][index][0] == pytest.approx(plain_loss, rel=1e-6), name
         grads = {**per_rank[0][index][1], **per_rank[1][index][1]}
         assert set(grads) == set(plain_grads)
         for param, grad in grads.items():
             assert grad.dtype == torch.float32, (name, param)
-            assert torch.equal(grad, plain_grads[param]), (name, param)  # the same kernels on the same values
+            assert torch.equal(grad, plain_grads[param]), (name, param)
 
 
 def test_autocast_arguments_are_checked():
@@ -231,13 +236,7 @@ def test_fp16_pipeline_equals_gradscaler_training_and_skips_overflowing_steps_to
     plain_loss, plain_grads = _plain_fp16(model)
     bf16_loss, _ = _plain(model, autocast=True)
     assert abs(plain_loss - bf16_loss) > 1e-4  # fp16 is really on
-    for index, name in enumerate(SCHEDULES):
-        assert per_rank[0][index][0] == pytest.approx(plain_loss, rel=1e-6), name
-        grads = {**per_rank[0][index][1], **per_rank[1][index][1]}
-        assert set(grads) == set(plain_grads)
-        for param, grad in grads.items():
-            assert grad.dtype == torch.float32, (name, param)
-            assert torch.equal(grad, plain_grads[param]), (name, param)  # unscaled as GradScaler unscales
+    _assert_every_schedule_equals(per_rank, plain_loss, plain_grads)  # unscaled as GradScaler unscales
     results = launch(_overflow_worker, 2, args=(pipes[1],))
     for skipped, _ in results:
         assert skipped == (True, True, 2.0**99, {"scale": 2.0**99, "good_steps": 0})
