@@ -304,6 +304,22 @@ def _overrides(model: str, size: str, items: list[str]) -> dict[str, Any]:
     return fields
 
 
+def _on_profiling_device(model: Any, inputs: Any, target: Any) -> tuple[Any, Any, Any]:
+    """The model and its batch on this machine's GPU where it has one (a plan for GPUs wants GPU
+    costs), else as they are (the CPU); says which on stderr."""
+    import torch
+
+    if next(model.parameters(), torch.empty(0)).is_meta:
+        return model, inputs, target  # (refused by the profile, with what to do)
+    if not torch.cuda.is_available():
+        print("note: --profile measures on this machine's CPU (no GPU here)", file=sys.stderr)
+        return model, inputs, target
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"note: --profile measures on {device} ({torch.cuda.get_device_name(device)})", file=sys.stderr)
+    move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return model.to(device), tuple(move(t) for t in inputs), move(target)
+
+
 def _costs_from(args: argparse.Namespace, cluster):
     """A CostTable from --costs FILE, or the analytic/profiled costs of --model."""
     from octopipe.errors import OctopipeError
@@ -325,6 +341,8 @@ def _costs_from(args: argparse.Namespace, cluster):
     from octopipe.passes.trace import trace
 
     model, inputs, target, loss_fn = _load_model(args)
+    if args.profile:
+        model, inputs, target = _on_profiling_device(model, inputs, target)
     graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
     micro = microbatch(inputs, args.microbatches)
     if args.profile:

@@ -227,3 +227,12 @@ def test_data_parallel_replicas_on_gpus_match_the_plain_model():
         mine = {n: g for r in (replica, REPLICAS + replica) for n, g in results[r][1].items()}
         assert_grads_close(mine, grads, f"replica {replica}")
     assert all(result[0] == pytest.approx(loss, rel=1e-4) for result in results)
+
+
+@pytest.mark.timeout(300)
+def test_plan_profile_measures_on_the_gpu(tmp_path, capsys):
+    from octopipe.cli import EXIT_OK, main
+
+    assert main(["plan", "--model", "llama", "--profile", "--devices", "2", "--microbatches", "4", "--time-limit", "5",
+                 "--quiet", "-o", str(tmp_path / "plan.json")]) == EXIT_OK
+    assert "--profile measures on cuda:0" in capsys.readouterr().err
