@@ -72,8 +72,33 @@ def test_bf16_autocast_on_one_gpu_matches_single_gpu_autocast_training():
     _assert_matches_autocast_training(loss, {n: p.grad.cpu() for n, p in engine.named_parameters()}, model)
 
 
-def _autocast_pipe(num_devices, schedule):
-    """test_autocast's model and its bf16-autocast pipeline, compiled for an NCCL cluster."""
+@pytest.mark.timeout(300)
+def test_fp16_on_one_gpu_matches_gradscaler_training():
+    from test_autocast import MICROBATCHES, _batch, _loss
+
+    model, pipe = _autocast_pipe(1, "zb-v", "fp16")
+    engine = pipe.engine(0, device=torch.device("cuda"))
+    tokens, target = _batch()
+    loss = engine.step((tokens,), target)
+    assert not engine.skipped_step
+    model = model.cuda()
+    scaler = torch.amp.GradScaler("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    total = 0.0
+    for x, y in zip(tokens.cuda().chunk(MICROBATCHES), target.cuda().chunk(MICROBATCHES)):
+        with torch.autocast("cuda", dtype=torch.float16):
+            part = _loss(model(x), y) / MICROBATCHES
+        scaler.scale(part).backward()
+        total += part.item()
+    scaler.unscale_(optimizer)
+    assert loss == pytest.approx(total, rel=1e-3)
+    for name, p in engine.named_parameters():
+        reference = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(p.grad, reference, rtol=1e-2, atol=1e-3 * reference.abs().max().item())
+
+
+def _autocast_pipe(num_devices, schedule, autocast="bf16"):
+    """test_autocast's model and its autocast pipeline, compiled for an NCCL cluster."""
     import copy
 
     from test_autocast import MICROBATCHES, _batch, _loss, _model
@@ -84,7 +109,7 @@ def _autocast_pipe(num_devices, schedule):
     tokens, target = _batch()
     pipe = octopipe.compile(copy.deepcopy(model), "h100x8", num_devices=num_devices, example_inputs=(tokens,),
                             example_target=target, loss_fn=_loss, num_microbatches=MICROBATCHES, schedule=schedule,
-                            autocast="bf16", quiet=True)
+                            autocast=autocast, quiet=True)
     return model, pipe
 
 
