@@ -264,3 +264,15 @@ def test_loss_scaler_grows_backs_off_and_is_only_for_fp16():
                             num_microbatches=2, schedule="1f1b", autocast="bf16", quiet=True)
     with pytest.raises(ArgumentError, match="loss_scaler=.*is for fp16"):
         pipe.engine(0, loss_scaler=LossScaler())
+    # the scale travels in checkpoints (every rank's is the same: the merge keeps one)
+    from octopipe.runtime.engine import merge_state_dicts
+
+    half = octopipe.compile(_model(), "cpux2", num_devices=1, example_inputs=(tokens,), example_target=target,
+                            loss_fn=_loss, num_microbatches=2, schedule="1f1b", autocast="fp16", quiet=True)
+    engine = half.engine(0, loss_scaler=LossScaler(init_scale=2.0**9))
+    engine.step((tokens,), target)
+    state = merge_state_dicts([engine.state_dict(), {"model": {}}])
+    assert state["loss_scaler"] == {"scale": 2.0**9, "good_steps": 1}
+    restored = half.engine(0)
+    restored.load_state_dict(state)
+    assert (restored.loss_scaler.scale, restored.loss_scaler.good_steps) == (2.0**9, 1)
