@@ -175,7 +175,7 @@ class Engine:
         loads or re-initializes it the same way. `loss_weight(target microbatch) -> count`: each microbatch's
         loss weighs its count's share of the batch's (a token loss's real tokens, say), so that the step
         computes a token mean over the whole batch; default: every microbatch weighs the same (see
-        `microbatch_weights`). `autocast`: None or "bf16" (torch.bfloat16): run every forward under
+        `microbatch_weights`). `autocast`: None, "bf16" or "fp16" (with loss scaling): run every forward under
         torch.autocast (see `runtime/amp.py`); the stages' cross-stage specs must come from a compile with the
         same autocast. `data_parallel` = D: `world_size` ranks are D replicas of the pipeline (see `Replicas`);
         `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D.

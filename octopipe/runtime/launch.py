@@ -8,8 +8,9 @@ crash or overrun of `timeout_s` ends the job: the parent kills the others and ra
 `ExecutionError` naming the rank, with the worker's traceback text.
 
 Start method: `fork` on Linux with a CPU-only build of torch (fast: workers inherit the parent's
-imports and objects, so `worker` and `args` need not pickle), else `spawn` (then they must; a
-compiled Pipeline does); see `fork_is_safe`. Return values travel pickled by value (tensors included). CPU workers run with
+imports and objects, so `worker` and `args` need not pickle), else `spawn` (then they must, and
+they travel by value, as fork gives them; a compiled Pipeline pickles); see `fork_is_safe`.
+Return values travel pickled by value (tensors included). CPU workers run with
 `torch.set_num_threads(1)`: ranks already use the cores, and gloo runs transfers on its own threads.
 The rendezvous store lives in rank 0 on a port the OS picked free just before: the parent runs no
 server thread, so nothing can hold a lock across the fork.
