@@ -114,6 +114,13 @@ def test_pipeline_travels_to_spawned_processes(name):
 
     back = pickle.loads(pickle.dumps(pipe))
     assert [sum(n.target is split_linear for n in stage.module.graph.nodes) for stage in back.stages] == splits
+    # the traced module stays behind in a pickle only; copies keep it
+    import copy
+
+    assert back.graph == pipe.graph and back.graph.module is None
+    assert copy.copy(pipe.graph).module is pipe.graph.module
+    deep = copy.deepcopy(pipe.graph)
+    assert deep == pipe.graph and deep.module is not None and deep.module is not pipe.graph.module
 
 
 @pytest.mark.timeout(180)

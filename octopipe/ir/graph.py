@@ -13,8 +13,9 @@ serialized; the text form is what a user reads (`print(graph)`), and parses back
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from octopipe.errors import ParseError
@@ -91,6 +92,12 @@ class LayerGraph:
 
     def __getstate__(self) -> list[Any]:
         return [None if f.name == "module" else getattr(self, f.name) for f in fields(self)]
+
+    def __copy__(self) -> LayerGraph:  # copies keep the module (only pickling leaves it behind)
+        return replace(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LayerGraph:
+        return replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)})
 
     def __setstate__(self, state: list[Any]) -> None:
         for f, value in zip(fields(self), state):
