@@ -326,8 +326,7 @@ class _Tracer(fx.Tracer):
     # recorded, not run once on the real buffer while tracing and then lost
     proxy_buffer_attributes = True
 
-    def __init__(self, leaf_paths: frozenset[str] = frozenset(), leaf_types: tuple[type, ...] = ()) -> None:
-        # (defaults: unpickling a traced GraphModule re-traces its code with this class, no arguments)
+    def __init__(self, leaf_paths: frozenset[str], leaf_types: tuple[type, ...]) -> None:
         super().__init__()
         self.leaf_paths = leaf_paths
         self.leaf_types = leaf_types
@@ -725,9 +724,7 @@ def _build_graph(
         _check_scalar_loss(graph, values)
     for node, example in zip([n for n in graph.nodes if n.op == "placeholder"], args):
         node.meta["octopipe.example"] = example
-    # the model itself for the root: the trace root's class is made per trace and would not pickle
-    # (a pipeline travels pickled to spawned processes)
-    gm.meta["octopipe.modules"] = {path: model if module is root else module for path, module in module_paths.items()}
+    gm.meta["octopipe.modules"] = module_paths
     gm.meta["octopipe.loss"] = loss_name
     gm.meta["octopipe.layer_of"] = {node.name: layer for node, layer in layer_of.items()}
 
