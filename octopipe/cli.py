@@ -316,7 +316,7 @@ def _on_profiling_device(model: Any, inputs: Any, target: Any) -> tuple[Any, Any
         return model, inputs, target
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"note: --profile measures on {device} ({torch.cuda.get_device_name(device)})", file=sys.stderr)
-    move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value  # noqa: E731
+    move = lambda value: value.to(device) if isinstance(value, torch.Tensor) else value
     return model.to(device), tuple(move(t) for t in inputs), move(target)
 
 

@@ -93,15 +93,15 @@ class LayerGraph:
     def __getstate__(self) -> list[Any]:
         return [None if f.name == "module" else getattr(self, f.name) for f in fields(self)]
 
+    def __setstate__(self, state: list[Any]) -> None:
+        for f, value in zip(fields(self), state):
+            object.__setattr__(self, f.name, value)
+
     def __copy__(self) -> LayerGraph:  # copies keep the module (only pickling leaves it behind)
         return replace(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LayerGraph:
         return replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)})
-
-    def __setstate__(self, state: list[Any]) -> None:
-        for f, value in zip(fields(self), state):
-            object.__setattr__(self, f.name, value)
 
     def __len__(self) -> int:
         return len(self.layers)

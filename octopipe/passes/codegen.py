@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from octopipe.errors import ArgumentError, PlanError, TraceError
 from octopipe.ir.graph import LayerGraph
 from octopipe.ir.plan import PipelinePlan
-from octopipe.passes.split_backward import picklable
 from octopipe.passes.split_backward import split_backward as split_backward_pass
 from octopipe.runtime import amp
 from octopipe.runtime.stage import BATCH, StageModule, TensorSource, TensorSpec, stage_links
@@ -101,7 +100,7 @@ def _with_loss(graph: LayerGraph, loss_fn: Callable[..., Tensor]) -> tuple[fx.Gr
     new_graph.output(loss)
     layer_of = graph.layer_of_node()
     layer_of[loss.name] = len(graph.layers) - 1
-    return picklable(fx.GraphModule(module, new_graph)), layer_of
+    return fx.GraphModule(module, new_graph), layer_of
 
 
 def _canonical_names(root: nn.Module) -> dict[int, str]:
@@ -321,7 +320,7 @@ def codegen(
         else:
             new_graph.output(tuple(env[n] for n in outputs_of[stage]))
             outputs = output_specs[stage]
-        stage_module: nn.Module = picklable(fx.GraphModule(module, new_graph, class_name=f"Stage{stage}"))
+        stage_module: nn.Module = fx.GraphModule(module, new_graph, class_name=f"Stage{stage}")
         if stage in split_stages:
             stage_module, _ = split_backward_pass(stage_module, compile_safe=compile)  # type: ignore[arg-type]
         names = {}

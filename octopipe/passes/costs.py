@@ -1257,13 +1257,15 @@ def analytic_costs(
         return max(flops.evaluate(batch_size, seq) / flops_rate, nbytes.evaluate(batch_size, seq) / bandwidth) * 1e3
 
     accumulating = (num_microbatches - 1) / num_microbatches
+    params = dict(graph.module.named_parameters(remove_duplicate=False))
+    modules: Mapping[str, nn.Module] = graph.module.meta.get("octopipe.modules", {})
     layers = []
     for layer, work in zip(graph.layers, works):
         forward = sum(op_ms(op.forward_flops, op.forward_bytes) for op in work.ops)
         backward_input = sum(op_ms(op.backward_input_flops, op.backward_input_bytes) for op in work.ops)
         backward_weight = sum(op_ms(op.backward_weight_flops, op.backward_weight_bytes) for op in work.ops)
         if accumulating:
-            grad_bytes, linear_bytes = _gradient_bytes(graph, layer)
+            grad_bytes, linear_bytes = _gradient_bytes(layer, params, modules)
             accumulate_ms = accumulating * 3 * grad_bytes / bandwidth * 1e3
             backward_input += accumulate_ms * (grad_bytes - linear_bytes) / grad_bytes if grad_bytes else 0.0
             backward_weight += accumulate_ms * linear_bytes / grad_bytes if grad_bytes else 0.0
@@ -1286,11 +1288,11 @@ def analytic_costs(
                      skips=graph.skip_tensors(sizes))
 
 
-def _gradient_bytes(graph: LayerGraph, layer: Any) -> tuple[int, int]:
+def _gradient_bytes(layer: Any, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module]
+                    ) -> tuple[int, int]:
     """Bytes of the gradients of `layer`'s trainable parameters, and of those that belong to
-    linear layers (the weights the split backward defers to W)."""
-    params = dict(graph.module.named_parameters(remove_duplicate=False))
-    modules: Mapping[str, nn.Module] = graph.module.meta.get("octopipe.modules", {})
+    linear layers (the weights the split backward defers to W); `params` and `modules` by
+    qualified name."""
     total = linear = 0
     for name in layer.parameters:
         param = params.get(name)

@@ -60,7 +60,7 @@ def profile_costs(
     num_microbatches: int = 1,
 ) -> CostTable:
     """Measure F, B and W of every layer of `graph` on one example batch (see the module docstring).
-    `autocast` (None or "bf16"): every forward runs under torch.autocast, as the engine runs it.
+    `autocast` (None, "bf16" or "fp16"): every forward runs under torch.autocast, as the engine runs it.
     `num_microbatches`: the microbatches a step accumulates gradients over (the example batch is
     one of them); B and W carry their share of the accumulation."""
     if graph.module is None:

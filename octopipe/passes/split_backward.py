@@ -107,12 +107,6 @@ class _Retracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__(autowrap_functions=(split_linear, split_linear_uncompiled))
 
-
-def picklable(module: fx.GraphModule) -> fx.GraphModule:
-    """`module`, unpickled (a pipeline travels to spawned processes) with its split linears kept."""
-    module._tracer_cls = _Retracer
-    return module
-
 _LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 _TRANSPOSES = {torch.ops.aten.t.default, torch.t, torch.Tensor.t}
 _MM_TARGETS = {torch.ops.aten.mm.default, torch.mm, torch.matmul, operator.matmul}
@@ -198,5 +192,6 @@ def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[
             if param is not None and str(param.target) not in deferred:
                 deferred.append(str(param.target))
     graph.lint()
-    result = picklable(fx.GraphModule(module, graph, class_name=type(module).__name__))
+    result = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    result._tracer_cls = _Retracer  # unpickled (in a spawned process) with its split linears kept
     return result, tuple(deferred)
