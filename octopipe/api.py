@@ -100,6 +100,8 @@ def plan(
     cluster = ClusterSpec.of(cluster, "plan: cluster")
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
+    costed_for = costs.num_microbatches
+    costs = costs.for_microbatches(num_microbatches)  # gradient accumulation as this step has it
     if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
         raise ArgumentError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
@@ -194,6 +196,9 @@ def plan(
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
     if not costs.has_memory_info:
         notes.append("the cost table has no activation_bytes: memory limits cannot bind")
+    if costed_for not in (None, num_microbatches) and costs.accumulates:
+        notes.append(f"gradient accumulation re-costed for {num_microbatches} microbatches (the table was costed for "
+                     f"{costed_for})")
     if cluster.data_parallel > 1:
         notes.append(f"data parallelism: these devices are one of {cluster.data_parallel} replicas; every plan's time "
                      "includes summing each stage's gradients over its copies once its backward is done (a device's "

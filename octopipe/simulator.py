@@ -141,6 +141,7 @@ def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
             f"plan covers {plan.num_layers} layers but the cost table {costs.model!r} has {len(costs)}; "
             "plan and costs must describe the same model"
         )
+    costs = costs.for_microbatches(plan.num_microbatches)  # accumulation as this plan's step has it (cached)
     key = ("stage_costs", id(costs))
     cached = plan._cache.get(key)
     if cached is None or cached[0] is not costs:
@@ -378,7 +379,8 @@ def simulate(
     dependency cycle, or a partition that does not cover `costs`' layers in order.
     `validated`: the caller built or checked the plan itself (the planner's own search, which
     re-simulates its plans in loops), so `PipelinePlan.validate` (about 0.7x a simulation) is
-    skipped; the simulation still refuses a plan that cannot run."""
+    skipped; the simulation still refuses a plan that cannot run. A table that knows what gradient
+    accumulation costs is taken for the plan's microbatch count (`CostTable.for_microbatches`)."""
     if not validated:
         plan.validate(num_layers=len(costs))
     core = _run(plan, costs, cluster, blocking_sends, memory, record=True)

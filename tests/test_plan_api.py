@@ -366,3 +366,34 @@ def test_plan_data_parallel_keeps_the_replica_count_with_the_fastest_step():
         octopipe.plan_data_parallel(heterogeneous(6), cluster, 16, **options)
     with pytest.raises(octopipe.ArgumentError, match="no replica count among"):
         octopipe.plan_data_parallel(costs, cluster, 15, counts=(2, 4), **options)
+
+
+def test_each_replica_count_is_costed_with_its_own_gradient_accumulation():
+    # every microbatch after the first adds its gradients into .grad: a replica of D runs M/D
+    # microbatches, so it pays (M/D - 1)/(M/D) of the addition, not (M-1)/M
+    base = heterogeneous(7, num_layers=8, params=2**28)
+    share = 15 / 16
+    costs = CostTable([replace(layer, backward_ms=layer.backward_ms + share * 4.0,
+                               backward_weight_ms=0.5 * layer.backward_ms + share * 3.0,
+                               accumulate_ms=4.0, accumulate_weight_ms=3.0) for layer in base],
+                      num_microbatches=16)
+    cluster = ClusterSpec.preset("h100x8")
+    options = dict(quiet=True, effort=0.02, solver=False)
+    result = octopipe.plan_data_parallel(costs, cluster, 16, counts=(2, 8), **options)
+    for row in result.tried:
+        table = row.result.costs
+        assert table.num_microbatches == row.num_microbatches
+        ratio = (row.num_microbatches - 1) / row.num_microbatches
+        assert [layer.backward_ms for layer in table] == pytest.approx(
+            [layer.backward_ms + ratio * 4.0 for layer in base])
+        assert "re-costed for" in str(row.result.report)
+        check_result(row.result, table, cluster.replica(row.data_parallel))
+        # the simulator takes any table for the plan's own microbatch count
+        replica = cluster.replica(row.data_parallel)
+        assert simulate(row.result.plan, costs, replica).iteration_ms == pytest.approx(
+            simulate(row.result.plan, table, replica).iteration_ms)
+    eight = result.tried[-1]
+    assert eight.data_parallel == 8 and eight.num_microbatches == 2
+    as_costed = CostTable([replace(layer, accumulate_ms=None, accumulate_weight_ms=None) for layer in costs])
+    overcharged = simulate(eight.result.plan, as_costed, cluster.replica(8))  # not re-costed: 15/16 of it
+    assert eight.step_ms < overcharged.iteration_ms  # (2-1)/2 of the addition, not 15/16

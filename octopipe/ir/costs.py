@@ -5,6 +5,11 @@ per-layer times and bytes every search component reads. Times are milliseconds p
 `forward_ms` (F), `backward_ms` (input plus weight gradient, B+W), `backward_weight_ms` (the W
 part; when absent the table's `weight_fraction` of `backward_ms` is assumed), and optionally
 `backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart).
+Gradient accumulation: `accumulate_ms` is what one microbatch takes to add the layer's parameter
+gradients into `.grad` (every microbatch of a step after the first does) and `accumulate_weight_ms`
+W's part of it; the backward times include (M-1)/M of them, M being the table's
+`num_microbatches` (absent: none of them). `CostTable.for_microbatches` re-costs a table for
+another M; `plan` and `simulate` do that for the M they are given.
 Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the
 next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
@@ -49,10 +54,10 @@ MAX_LAYER_MS = 1e9
 64 bits."""
 
 _TIME_FIELDS = ("forward_ms", "backward_ms")
-_OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms")
+_OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms")
 _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
-_TABLE_KEYS = ("model", "weight_fraction", "layers", "tied", "skips")
+_TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
@@ -72,6 +77,11 @@ class LayerCost:
     """B and W run as one op (a full backward, as 1F1B runs it) where measured apart from
     `backward_ms`, the two run separately (W deferred, its inputs no longer in cache); absent:
     `backward_ms`."""
+    accumulate_ms: float | None = None
+    """One microbatch's addition of this layer's parameter gradients into `.grad`; the backward
+    times carry the table's accumulating share of it (see the module docstring). None: not known."""
+    accumulate_weight_ms: float | None = None
+    """W's part of `accumulate_ms` (the gradients W computes; the rest is B's)."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -83,7 +93,8 @@ class LayerCost:
         return [
             ("name", self.name), ("kind", self.kind), ("forward_ms", self.forward_ms),
             ("backward_ms", self.backward_ms), ("backward_weight_ms", self.backward_weight_ms),
-            ("backward_full_ms", self.backward_full_ms), ("activation_bytes", self.activation_bytes),
+            ("backward_full_ms", self.backward_full_ms), ("accumulate_ms", self.accumulate_ms),
+            ("accumulate_weight_ms", self.accumulate_weight_ms), ("activation_bytes", self.activation_bytes),
             ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
         ]
 
@@ -145,6 +156,9 @@ class CostTable:
     """Parameters shared by several layers (see the module docstring)."""
     skips: tuple[SkipTensor, ...] = ()
     """Tensors that skip layers (see the module docstring)."""
+    num_microbatches: int | None = None
+    """The step's microbatch count M whose gradient accumulation, (M-1)/M of each layer's
+    `accumulate_ms`, the backward times include (None: they include none)."""
     _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +180,10 @@ class CostTable:
         object.__setattr__(self, "skips", tuple(self.skips))
         for skip in self.skips:
             _check_skip(skip, len(self.layers), f"cost table {self.model!r}: skip tensor {skip.name!r}")
+        m = self.num_microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise CostTableError(f"cost table {self.model!r}: num_microbatches must be a positive integer (the "
+                                 f"microbatches its gradient accumulation was costed for) or absent, got {m!r}")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -247,10 +265,47 @@ class CostTable:
     def replace_layers(self, layers: Iterable[LayerCost]) -> CostTable:
         return replace(self, layers=tuple(layers), _derived={})
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether the table knows what gradient accumulation costs (some layer's `accumulate_ms`)."""
+        known = self._derived.get("accumulates")
+        if known is None:
+            known = self._derived["accumulates"] = any(layer.accumulate_ms is not None for layer in self.layers)
+        return known
+
+    def for_microbatches(self, num_microbatches: int) -> CostTable:
+        """This table for a step of `num_microbatches`: each layer's backward carries (M-1)/M of
+        its `accumulate_ms` (W its `accumulate_weight_ms` share) in place of the share it was
+        costed with. A table that does not know accumulation's cost is returned as it is."""
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise CostTableError(f"cost table {self.model!r}: for_microbatches needs a positive integer, got "
+                                 f"{num_microbatches!r}")
+        if num_microbatches == self.num_microbatches or not self.accumulates:
+            return self
+        key = f"microbatches:{num_microbatches}"
+        cached = self._derived.get(key)
+        if cached is None:
+            had = _accumulating(self.num_microbatches)
+            change = _accumulating(num_microbatches) - had
+            layers = []
+            for layer in self.layers:
+                total, weight = layer.accumulate_ms or 0.0, layer.accumulate_weight_ms or 0.0
+                backward = max(0.0, layer.backward_ms + change * total)
+                layers.append(replace(
+                    layer, backward_ms=backward,
+                    backward_weight_ms=(None if layer.backward_weight_ms is None  # within B+W, rounding aside
+                                        else min(backward, max(0.0, layer.backward_weight_ms + change * weight))),
+                    backward_full_ms=(None if layer.backward_full_ms is None
+                                      else max(0.0, layer.backward_full_ms + change * total))))
+            cached = self._derived[key] = replace(self, layers=tuple(layers), num_microbatches=num_microbatches,
+                                                  _derived={})
+        return cached
+
     # -- text form --------------------------------------------------------------------------
     def __str__(self) -> str:
         head = "costs " + format_fields(
-            [("model", self.model or None), ("weight_fraction", self.weight_fraction), ("layers", len(self.layers))]
+            [("model", self.model or None), ("weight_fraction", self.weight_fraction),
+             ("num_microbatches", self.num_microbatches), ("layers", len(self.layers))]
         )
         return "\n".join([head, *(str(layer) for layer in self.layers), *(str(tied) for tied in self.tied),
                           *(str(skip) for skip in self.skips)]) + "\n"
@@ -266,6 +321,7 @@ class CostTable:
         head = FieldReader(parse_fields(tokens, where), where)
         model = head.str("model", default="")
         weight_fraction = head.float("weight_fraction", DEFAULT_WEIGHT_FRACTION)
+        num_microbatches = head.optional_int("num_microbatches")
         count = head.int("layers")
         head.done()
         layers = []
@@ -296,6 +352,8 @@ class CostTable:
                 backward_ms=reader.float("backward_ms"),
                 backward_weight_ms=reader.optional_float("backward_weight_ms"),
                 backward_full_ms=reader.optional_float("backward_full_ms"),
+                accumulate_ms=reader.optional_float("accumulate_ms"),
+                accumulate_weight_ms=reader.optional_float("accumulate_weight_ms"),
                 activation_bytes=reader.optional_int("activation_bytes"),
                 output_bytes=reader.optional_int("output_bytes"),
                 param_bytes=reader.optional_int("param_bytes"),
@@ -309,7 +367,8 @@ class CostTable:
         if len(layers) != count:
             raise ParseError(f"cost table header says layers={count}, found {len(layers)} layer lines")
         try:
-            return cls(tuple(layers), model=model, weight_fraction=weight_fraction, tied=tuple(tied), skips=tuple(skips))
+            return cls(tuple(layers), model=model, weight_fraction=weight_fraction, tied=tuple(tied), skips=tuple(skips),
+                       num_microbatches=num_microbatches)
         except CostTableError as exc:
             raise ParseError(str(exc)) from None
 
@@ -319,6 +378,8 @@ class CostTable:
         if self.model:
             data["model"] = self.model
         data["weight_fraction"] = self.weight_fraction
+        if self.num_microbatches is not None:
+            data["num_microbatches"] = self.num_microbatches
         data["layers"] = [layer.to_dict() for layer in self.layers]
         if self.tied:
             data["tied"] = [tied.to_dict() for tied in self.tied]
@@ -374,8 +435,13 @@ class CostTable:
             raise CostTableError(f"{source}: 'skips' must be a list of {{name, from, to, bytes}} objects, got "
                                  f"{type(raw_skips).__name__}")
         skips = tuple(_skip_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_skips))
+        num_microbatches = data.get("num_microbatches")
+        if num_microbatches is not None and (not _is_number(num_microbatches) or not float(num_microbatches).is_integer()
+                                             or num_microbatches < 1):
+            raise CostTableError(f"{source}: 'num_microbatches' must be a positive integer (the microbatches its "
+                                 f"gradient accumulation was costed for), got {num_microbatches!r}")
         return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction), tied=tied,
-                   skips=skips)
+                   skips=skips, num_microbatches=None if num_microbatches is None else int(num_microbatches))
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
@@ -404,6 +470,11 @@ class CostTable:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _accumulating(num_microbatches: int | None) -> float:
+    """The share of a step's microbatches that add their gradients into `.grad`: all but the first."""
+    return 0.0 if num_microbatches is None else (num_microbatches - 1) / num_microbatches
 
 
 def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
@@ -511,6 +582,9 @@ def _check_layer(layer: LayerCost, where: str) -> None:
         if not _is_number(value) or not 0 <= value <= MAX_LAYER_MS:
             raise CostTableError(f"{where}: field {key!r} must be a number of milliseconds in [0, {MAX_LAYER_MS:.0e}] "
                                  f"(per layer and microbatch), got {value!r}")
+    if (layer.accumulate_weight_ms or 0.0) > (layer.accumulate_ms or 0.0):
+        raise CostTableError(f"{where}: accumulate_weight_ms={layer.accumulate_weight_ms} exceeds accumulate_ms="
+                             f"{layer.accumulate_ms}; it is W's part of the accumulation, so it must be part of it")
     if layer.backward_weight_ms is not None and layer.backward_weight_ms > layer.backward_ms:
         raise CostTableError(
             f"{where}: backward_weight_ms={layer.backward_weight_ms} exceeds backward_ms={layer.backward_ms}; "

@@ -53,7 +53,8 @@ Gradient accumulation (with `num_microbatches` = M > 1, as `compile` passes it):
 after the first adds its gradients into `.grad`, reading both and writing one, memory-bound: the
 layer's gradient bytes (its parameters' own dtype, fp32 under autocast) x 3 / memory bandwidth,
 (M-1)/M of it in B, and in W the share of the parameters that are linear layers' (what the split
-backward defers). Measured on an H200 (benchmarks/gpu_one_device.py), where leaving it out put
+backward defers); the layer's `accumulate_ms` keeps the whole of it, so the table can be re-costed
+for another M (`CostTable.for_microbatches`). Measured on an H200 (benchmarks/gpu_one_device.py), where leaving it out put
 bf16 steps 7-12% under the measured ones.
 
 Roofline: an op is compute-bound or memory-bound, whichever takes longer:
@@ -1264,11 +1265,11 @@ def analytic_costs(
         forward = sum(op_ms(op.forward_flops, op.forward_bytes) for op in work.ops)
         backward_input = sum(op_ms(op.backward_input_flops, op.backward_input_bytes) for op in work.ops)
         backward_weight = sum(op_ms(op.backward_weight_flops, op.backward_weight_bytes) for op in work.ops)
-        if accumulating:
-            grad_bytes, linear_bytes = _gradient_bytes(layer, params, modules)
-            accumulate_ms = accumulating * 3 * grad_bytes / bandwidth * 1e3
-            backward_input += accumulate_ms * (grad_bytes - linear_bytes) / grad_bytes if grad_bytes else 0.0
-            backward_weight += accumulate_ms * linear_bytes / grad_bytes if grad_bytes else 0.0
+        grad_bytes, linear_bytes = _gradient_bytes(layer, params, modules)
+        accumulate_ms = 3 * grad_bytes / bandwidth * 1e3
+        accumulate_weight_ms = accumulate_ms * linear_bytes / grad_bytes if grad_bytes else 0.0
+        backward_input += accumulating * (accumulate_ms - accumulate_weight_ms)
+        backward_weight += accumulating * accumulate_weight_ms
         formulas = tuple((name, _formula_text(work.total(name))) for name in FORMULA_NAMES)
         layers.append(
             LayerCost(
@@ -1277,6 +1278,8 @@ def analytic_costs(
                 forward_ms=forward,
                 backward_ms=backward_input + backward_weight,
                 backward_weight_ms=backward_weight,
+                accumulate_ms=accumulate_ms,
+                accumulate_weight_ms=accumulate_weight_ms,
                 activation_bytes=_to_bytes(work.total("activation_bytes").evaluate(batch_size, seq)),
                 output_bytes=_to_bytes(work.output_bytes.evaluate(batch_size, seq)),
                 param_bytes=layer.num_params * dtype_bytes,
@@ -1285,7 +1288,7 @@ def analytic_costs(
         )
     sizes = {name: _to_bytes(poly.evaluate(batch_size, seq)) for work in works for name, poly in work.edge_bytes.items()}
     return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes),
-                     skips=graph.skip_tensors(sizes))
+                     skips=graph.skip_tensors(sizes), num_microbatches=num_microbatches)
 
 
 def _gradient_bytes(layer: Any, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module]

@@ -18,9 +18,9 @@ and run alone on the captured inputs, so layers are timed separately:
   W = 0, as its W op in the runtime does nothing.
 - gradient accumulation: a step's microbatches after the first add their parameter gradients
   into `.grad` (read both, write one: memory-bound, and as long as a big layer's backward in
-  bf16), which `autograd.grad` above does not do. With `num_microbatches` = M > 1 the addition
-  is timed on the layer's parameters, and (M-1)/M of it joins B+W, the part of the parameters W
-  defers joining W.
+  bf16), which `autograd.grad` above does not do. The addition is timed on the layer's
+  parameters (`accumulate_ms`, W's part `accumulate_weight_ms`), and with `num_microbatches` = M
+  (M-1)/M of it joins B+W, the part of the parameters W defers joining W.
 Backward passes reuse one recorded forward (`retain_graph=True`) with random output gradients.
 Each measurement is warmed up, then the median of `repeats` runs. Timers: `time.perf_counter` on
 CPU; on CUDA `triton.testing.do_bench` when triton imports (median), else CUDA events, with a
@@ -97,7 +97,8 @@ def profile_costs(
                                (num_microbatches - 1) / num_microbatches))
     sizes = {edge.name: sum(t.numel() * t.element_size() for t in _flat_tensors(captured[edge.name]))
              for edge in graph.skip_edges if edge.name in captured}
-    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes))
+    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes),
+                     num_microbatches=num_microbatches)
 
 
 # ---------------------------------------------------------------------------- cutting the graph
@@ -315,7 +316,7 @@ def _measure(
             backward_ms = timer(grad_of(act_inputs + params))
             input_only_ms, weight_only_ms, deferred_share = _split_times(sub, inputs, act_inputs, grads, timer,
                                                                          autocast_forward)
-            if accumulating and params:
+            if params:  # timed whatever the microbatch count: the table can be re-costed for another one
                 accumulate_ms = _accumulate_time(params, timer)
     except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
         raise ExecutionError(
@@ -325,13 +326,16 @@ def _measure(
     # backward between B and W in the split's proportion.
     both = input_only_ms + weight_only_ms
     weight_ms = min(backward_ms, backward_ms * weight_only_ms / both) if both > 0 else 0.0
-    weight_ms += accumulating * accumulate_ms * deferred_share
+    accumulate_weight_ms = accumulate_ms * deferred_share
+    weight_ms += accumulating * accumulate_weight_ms
     return LayerCost(
         name=layer.name,
         kind=layer.kind,
         forward_ms=forward_ms,
         backward_ms=backward_ms + accumulating * accumulate_ms,
         backward_weight_ms=weight_ms,
+        accumulate_ms=accumulate_ms,
+        accumulate_weight_ms=accumulate_weight_ms,
         activation_bytes=int(activation_bytes),
         output_bytes=int(output_bytes),
         param_bytes=int(param_bytes),

@@ -275,3 +275,42 @@ def test_tied_parameters_round_trip_and_bad_ones_name_the_entry(tmp_path):
         CostTable.parse(text + "layer name=x forward_ms=1 backward_ms=1\n")
     with pytest.raises(ParseError, match="outside"):
         CostTable.parse(text.replace("layers=0,2", "layers=0,7"))
+
+
+def test_a_table_re_costs_its_gradient_accumulation_for_another_microbatch_count(tmp_path):
+    # costed for M=4: the backward carries 3/4 of the addition, W 3/4 of its part
+    layers = (LayerCost("a", forward_ms=1.0, backward_ms=2.0 + 0.75 * 0.4, backward_weight_ms=0.8 + 0.75 * 0.1,
+                        accumulate_ms=0.4, accumulate_weight_ms=0.1),
+              LayerCost("b", forward_ms=1.0, backward_ms=2.0 + 0.75 * 0.8, backward_full_ms=2.5 + 0.75 * 0.8,
+                        accumulate_ms=0.8),
+              LayerCost("c", forward_ms=1.0, backward_ms=2.0))  # nothing to accumulate known
+    table = CostTable(layers, model="m", num_microbatches=4)
+    one = table.for_microbatches(1)
+    assert one.num_microbatches == 1
+    assert [layer.backward_ms for layer in one] == pytest.approx([2.0, 2.0, 2.0])
+    assert one[0].backward_weight_ms == pytest.approx(0.8) and one[1].backward_weight_ms is None
+    assert one[1].backward_full_ms == pytest.approx(2.5)
+    eight = one.for_microbatches(8)
+    assert [layer.backward_ms for layer in eight] == pytest.approx([2.0 + 0.875 * 0.4, 2.0 + 0.875 * 0.8, 2.0])
+    assert eight[0].backward_weight_ms == pytest.approx(0.8 + 0.875 * 0.1)
+    back = eight.for_microbatches(4)
+    assert [a.backward_ms for a in back] == pytest.approx([b.backward_ms for b in table])
+    assert back[0].backward_weight_ms == pytest.approx(table[0].backward_weight_ms)
+    assert table.for_microbatches(4) is table and table.for_microbatches(2) is table.for_microbatches(2)  # cached
+    # a table that does not know what accumulation costs stays as it is
+    plain = CostTable((LayerCost("a", forward_ms=1.0, backward_ms=2.0),))
+    assert not plain.accumulates and plain.for_microbatches(8) is plain
+    # the fields and the count survive the text form and files
+    assert CostTable.parse(str(table)) == table
+    assert str(table).splitlines()[0] == "costs model=m weight_fraction=0.5 num_microbatches=4 layers=3"
+    for suffix in (".json", ".yaml"):
+        table.save(tmp_path / f"t{suffix}")
+        assert CostTable.load(tmp_path / f"t{suffix}") == table
+    with pytest.raises(CostTableError, match="accumulate_weight_ms=0.5 exceeds accumulate_ms=0.4"):
+        CostTable((replace(layers[0], accumulate_weight_ms=0.5),))
+    with pytest.raises(CostTableError, match="num_microbatches must be a positive integer"):
+        CostTable(layers, num_microbatches=0)
+    with pytest.raises(CostTableError, match="'num_microbatches' must be a positive integer"):
+        CostTable.from_dict({**table.to_dict(), "num_microbatches": 2.5})
+    with pytest.raises(CostTableError, match="for_microbatches needs a positive integer"):
+        table.for_microbatches(0)

@@ -281,5 +281,12 @@ def test_gradient_accumulation_adds_its_memory_traffic_to_b_and_w(name):
             added_ms * linear_bytes / grad_bytes if grad_bytes else 0.0, rel=1e-9, abs=1e-12)
         saw_einsum_experts |= any(n.endswith("expert_up_weight") for n in graph_layer.parameters)
     assert saw_einsum_experts == (name == "deepseek")
+    # each table keeps the whole addition, so either re-costs as the other
+    assert (one.num_microbatches, four.num_microbatches) == (1, 4)
+    for source, target in ((one, four), (four, one), (four, analytic_costs(graph, H100, batch_size=2, num_microbatches=2))):
+        for recosted, direct in zip(source.for_microbatches(target.num_microbatches), target):
+            assert recosted.accumulate_ms == direct.accumulate_ms
+            assert recosted.backward_ms == pytest.approx(direct.backward_ms, rel=1e-9, abs=1e-12)
+            assert recosted.backward_weight_ms == pytest.approx(direct.backward_weight_ms, rel=1e-9, abs=1e-12)
     with pytest.raises(OctopipeError, match="num_microbatches must be a positive integer"):
         analytic_costs(graph, H100, batch_size=2, num_microbatches=0)

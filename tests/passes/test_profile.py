@@ -182,18 +182,23 @@ def test_gradient_accumulation_joins_b_and_w(monkeypatch):
 
     monkeypatch.setattr(profile, "_split_times", split_times)
     single = profile_costs(graph, (x,), example_target=y, num_microbatches=1)
-    assert not accumulated
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert accumulated == [per_block, per_block]  # timed at M=1 too (the blocks' parameters; the loss layer has none)
     blocks = [cost for cost in single if cost.kind == "block"]
     assert len(blocks) == 2 and all(c.backward_ms == 2.0 and c.backward_weight_ms == 1.0 for c in blocks)
+    assert single.num_microbatches == 1
     shares.clear()
     four = profile_costs(graph, (x,), example_target=y, num_microbatches=4)
-    per_block = sum(p.numel() for p in model.blocks[0].parameters())
-    assert accumulated == [per_block, per_block]  # the blocks' parameters; the loss layer has none
     linear = sum(p.numel() for p in model.blocks[0].proj.parameters())
     assert [s for s in shares if s] == [pytest.approx(linear / per_block)] * 2  # W defers the linear's weight, bias
     for cost in (c for c in four if c.kind == "block"):
         assert cost.backward_ms == pytest.approx(2.0 + 0.75 * 0.8)
         assert cost.backward_weight_ms == pytest.approx(1.0 + 0.75 * 0.8 * linear / per_block)
+        assert (cost.accumulate_ms, cost.accumulate_weight_ms) == (0.8, pytest.approx(0.8 * linear / per_block))
+    # the M=1 table re-costed for 4 microbatches is the M=4 profile
+    for recosted, measured in zip(single.for_microbatches(4), four):
+        assert recosted.backward_ms == pytest.approx(measured.backward_ms)
+        assert recosted.backward_weight_ms == pytest.approx(measured.backward_weight_ms)
     with pytest.raises(ExecutionError, match="num_microbatches must be a positive integer"):
         profile_costs(graph, (x,), example_target=y, num_microbatches=0)
 
