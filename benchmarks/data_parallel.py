@@ -4,7 +4,8 @@ For each reference model's paper config (analytic costs, one sequence of its max
 microbatch, as benchmarks/plan_vs_baselines.py prices them) on 16 H100s (two nodes of 8) and a
 batch of 64 microbatches, `octopipe.plan_data_parallel` plans one replica for every replica count
 D in 1, 2, 4, 8, 16 (D replicas of 16 / D devices, 64 / D microbatches each; each device's
-gradient all-reduce over its D copies priced bucket by bucket beside the backward) and keeps the
+gradient all-reduce over its D copies priced bucket by bucket beside the backward, and each
+replica's gradient accumulation over its own 64 / D microbatches) and keeps the
 fastest step of the whole batch. Printed per model and count: the best baseline schedule for that
 replica (Megatron's choices: 1F1B, interleaved, ZB, DualPipe-V, ... with uniform or balanced
 partitions, within device memory), OctoPipe's plan, the all-reduce time of its busiest device, or
@@ -70,7 +71,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=64, help="microbatches of the whole batch")
     args = parser.parse_args()
     cluster = ClusterSpec.preset("h100x16")
-    tables = analytic_tables(cluster, args.models.split(",") if args.models else None)
+    # each replica count pays its own gradient accumulation: M/D microbatches add into .grad
+    tables = analytic_tables(cluster, args.models.split(",") if args.models else None, accumulation=True)
     print(f"OctoPipe's replica count vs fixed ones: 16 H100s (nodes of 8), {args.microbatches} microbatches in "
           f"all, {args.time_limit:.0f}s of planning per model; step = one replica's iteration (they run side by "
           "side), all-reduce included")

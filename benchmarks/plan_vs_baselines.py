@@ -35,7 +35,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -93,10 +93,13 @@ class Case:
         return self.best_ms / self.lower_ms
 
 
-def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None) -> dict[str, CostTable]:
+def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None, *,
+                    accumulation: bool = False) -> dict[str, CostTable]:
     """The reference models' paper configs (all, or `families`), traced on the meta device and
     priced analytically (one sequence of the config's maximum length per microbatch); empty if the
-    pass is missing."""
+    pass is missing. `accumulation`: keep what gradient accumulation costs, so that `plan` charges
+    each step's (M-1)/M of it; off, the tables leave it out, as the published profiles (and the
+    baselines' papers) do, so the analytic rows are priced like the profiled ones."""
     try:
         from octopipe import models
         from octopipe.passes.costs import analytic_costs, paper_graph
@@ -107,8 +110,11 @@ def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None)
         try:
             config = models.config(family, "paper")
             graph = paper_graph(family)
-            tables[f"{family} (analytic)"] = analytic_costs(graph, cluster, batch_size=1,
-                                                            seq_len=getattr(config, "max_seq_len", None))
+            costs = analytic_costs(graph, cluster, batch_size=1, seq_len=getattr(config, "max_seq_len", None))
+            if not accumulation:
+                costs = replace(costs.replace_layers(replace(layer, accumulate_ms=None, accumulate_weight_ms=None)
+                                                     for layer in costs), num_microbatches=None)
+            tables[f"{family} (analytic)"] = costs
         except Exception as exc:  # noqa: BLE001 - a model the front end cannot take yet is reported, not fatal
             print(f"note: skipping analytic costs of {family}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return tables
