@@ -92,8 +92,11 @@ def plan(
     gain below their error is a coin toss; the report marks the baseline as chosen and says why.
 
     recompute: let the search make stages recompute their activations (F keeps only the stage's
-    inputs and sent outputs, B runs the forward again): tried where memory holds microbatches back, kept only
-    where the plan gets faster or fits; the report lists the stages that do. Where it is tried the
+    inputs and sent outputs, B runs the forward again), or recompute selectively where the costs
+    say what that holds and costs (`LayerCost.selective_activation_bytes`: F keeps the matmul,
+    attention and convolution outputs, B recomputes the cheap ops first): tried where memory holds
+    microbatches back, kept only where the plan gets faster or fits; the report lists the stages
+    that do. Where it is tried the
     search without it runs too (up to twice the planning time), so the plan is never slower than
     with False (unless the time limit cuts the search short). False: never."""
     started = time.perf_counter()
@@ -209,6 +212,11 @@ def plan(
     if again:
         notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "
                      f"{best_plan.num_stages} (their B runs the forward again; until then they hold only their inputs and sent outputs)")
+    cheap = [stage.index for stage in best_plan.stages if stage.selective]
+    if cheap:
+        notes.append(f"selective recomputation on stage{'s' if len(cheap) > 1 else ''} {_ranges(cheap)} of "
+                     f"{best_plan.num_stages} (they keep their matmul and attention outputs; their B "
+                     "recomputes the rest first)")
     report = PlanReport(
         rows=rows, chosen=chosen, num_devices=p, num_microbatches=num_microbatches, num_layers=len(costs),
         balance_bound_ms=num_microbatches * bound.load_ms, balance_bound_optimal=bound.optimal,

@@ -856,7 +856,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gain", type=_percent, default=0.0, metavar="PCT",
                    help="return the best baseline that fits unless the searched plan is at least PCT%% faster on paper")
     p.add_argument("--no-recompute", action="store_true",
-                   help="never recompute activations (by default the search may, where memory holds microbatches back)")
+                   help="never recompute activations, fully or selectively (by default the search may, where memory "
+                        "holds microbatches back)")
     p.add_argument("--data-parallel", type=_replicas_arg, default=1, metavar="D|auto",
                    help="plan one of D replicas over the cluster's devices (each device's gradients all-reduced "
                         "over its D copies every step, in the plan's time; --microbatches is then each replica's); "

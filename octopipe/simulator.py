@@ -34,6 +34,8 @@ allocated when its F starts; a full backward frees them at its end; a split back
 frees all but `weight_memory_fraction` at B's end and the rest at W's end. A stage that recomputes
 its activations (`Stage.recompute`) holds only its inputs and the outputs it sent from F to B (what
 the runtime keeps); its B allocates the rest again at its start and takes one more forward's time.
+A stage that recomputes selectively (`Stage.selective`) holds its layers' `selective_activation_bytes`
+and its inputs and sent outputs from F to B, and its B takes their `selective_recompute_ms` more.
 
 Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a few milliseconds.
 """
@@ -92,8 +94,10 @@ class StageCosts:
     and takes one more F)."""
 
     @classmethod
-    def of(cls, boundaries: tuple[int, ...], costs: CostTable, recompute: Sequence[bool] = ()) -> StageCosts:
-        """`recompute[s]`: stage s recomputes its activations (empty: none does)."""
+    def of(cls, boundaries: tuple[int, ...], costs: CostTable, recompute: Sequence[bool] = (),
+           selective: Sequence[bool] = ()) -> StageCosts:
+        """`recompute[s]`: stage s recomputes its activations; `selective[s]`: it recomputes its
+        cheap ops' outputs (empty: none does)."""
         pairs = list(zip(boundaries[:-1], boundaries[1:]))
         output = costs.output
         chain = [float(output[b - 1]) for _, b in pairs]
@@ -118,13 +122,24 @@ class StageCosts:
         activation = [costs.range_sum("activation", a, b) for a, b in pairs]
         output = [max(0.0, value) for value in chain]
         held = list(activation)
+        def boundary(stage: int) -> float:
+            """What the stage received and what it sent: kept from F to B whatever it recomputes."""
+            received = (output[stage - 1] if stage else 0.0) + sum(x for (_, c), x in links.items() if c == stage)
+            sent = output[stage] + sum(x for (a, _), x in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
+            return received + sent
+
         for stage, again in enumerate(recompute):
             if again:  # B runs F again; until then the stage keeps what it received and what it sent
                 backward_input[stage] += forward[stage]
                 backward_full[stage] += forward[stage]
-                received = (output[stage - 1] if stage else 0.0) + sum(x for (_, c), x in links.items() if c == stage)
-                sent = output[stage] + sum(x for (a, _), x in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
-                held[stage] = min(received + sent, activation[stage])
+                held[stage] = min(boundary(stage), activation[stage])
+        for stage, cheap in enumerate(selective):
+            if cheap:  # F keeps the heavy ops' outputs (and its inputs, outputs); B recomputes the rest first
+                a, b = pairs[stage]
+                extra = costs.range_sum("selective_recompute", a, b)
+                backward_input[stage] += extra
+                backward_full[stage] += extra
+                held[stage] = costs.range_sum("selective_activation", a, b) + boundary(stage)
         return cls(
             forward=tuple(forward), backward_input=tuple(backward_input), backward_full=tuple(backward_full),
             weight=tuple(costs.range_sum("weight", a, b) for a, b in pairs),
@@ -145,7 +160,11 @@ def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
     key = ("stage_costs", id(costs))
     cached = plan._cache.get(key)
     if cached is None or cached[0] is not costs:
-        cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs, plan.recompute))
+        if any(plan.selective) and not costs.has_selective_info:
+            raise PlanError(f"stages {[s.index for s in plan.stages if s.selective]} recompute selectively, but the cost "
+                            f"table {costs.model!r} does not say what that holds and costs (no layer has "
+                            "selective_activation_bytes); use analytic costs of the model, or a plan without it")
+        cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs, plan.recompute, plan.selective))
     return cached[1]
 
 

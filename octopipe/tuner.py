@@ -29,13 +29,15 @@ scheduler. The tuner
    when W runs, waiting for an imminent B); and,
    at a local optimum, activation recomputation toggled (off per stage; where it is worth it,
    on per stage or for all stages of the device whose activations fill most of its budget, or
-   everywhere);
+   everywhere; the same for selective recomputation where the costs know it, and a fully
+   recomputing stage made selective);
 4. iterated local search: perturbs the best structure by a few random moves and climbs again,
    until several rounds in a row find nothing better;
 5. fills the largest idle gaps of the best plan by moving a later op (a W, an F) into them.
 
 Where memory binds the fastest baseline, the baselines with every stage recomputing its
-activations (as their users would run them) are starts too; where one of those beats every start
+activations (as their users would run them; and, where the costs say what selective
+recomputation keeps and costs, with every stage recomputing selectively) are starts too; where one of those beats every start
 that fits without it, recomputation is worth the search's work: those structures list-scheduled
 with every stage recomputing, the best screened structures so where memory binds them, and the
 recomputation moves of step 3 (otherwise only moves that turn it off). The search without
@@ -88,6 +90,8 @@ class Structure:
     placement: tuple[int, ...]
     num_devices: int
     recompute: tuple[bool, ...] = ()
+    selective: tuple[bool, ...] = ()
+    """Per stage: selective recomputation (empty: none; never on a stage that recomputes)."""
 
     @property
     def num_stages(self) -> int:
@@ -96,13 +100,26 @@ class Structure:
     def recomputes(self, stage: int) -> bool:
         return bool(self.recompute) and self.recompute[stage]
 
+    def selects(self, stage: int) -> bool:
+        return bool(self.selective) and self.selective[stage]
+
     def with_recompute(self, flags: Sequence[bool]) -> Structure:
-        """This structure with these per-stage recompute flags (all off is stored as none)."""
-        return replace(self, recompute=tuple(bool(f) for f in flags) if any(flags) else ())
+        """This structure with these per-stage recompute flags (all off is stored as none); a
+        stage that recomputes does not recompute selectively too."""
+        selective = [self.selects(s) and not flag for s, flag in enumerate(flags)]
+        return replace(self, recompute=tuple(bool(f) for f in flags) if any(flags) else (),
+                       selective=tuple(selective) if any(selective) else ())
+
+    def with_selective(self, flags: Sequence[bool]) -> Structure:
+        """This structure with these per-stage selective recomputation flags (a stage so set no
+        longer recomputes fully)."""
+        recompute = [self.recomputes(s) and not flag for s, flag in enumerate(flags)]
+        return replace(self, recompute=tuple(recompute) if any(recompute) else (),
+                       selective=tuple(bool(f) for f in flags) if any(flags) else ())
 
     def stage_loads(self, costs: CostTable) -> list[float]:
         """F + B (full) per stage; a recomputing stage's B includes its second F (`StageCosts`)."""
-        sc = StageCosts.of(self.boundaries, costs, self.recompute)
+        sc = StageCosts.of(self.boundaries, costs, self.recompute, self.selective)
         return [f + b for f, b in zip(sc.forward, sc.backward_full)]
 
     def device_loads(self, costs: CostTable) -> list[float]:
@@ -112,12 +129,13 @@ class Structure:
         return loads
 
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(Stage(i, a, b, self.placement[i], self.recomputes(i))
+        return tuple(Stage(i, a, b, self.placement[i], self.recomputes(i), self.selects(i))
                      for i, (a, b) in enumerate(zip(self.boundaries[:-1], self.boundaries[1:])))
 
     @classmethod
     def of(cls, plan: PipelinePlan) -> Structure:
-        return cls(plan.boundaries, plan.placement, plan.num_devices).with_recompute(plan.recompute)
+        return cls(plan.boundaries, plan.placement, plan.num_devices).with_selective(plan.selective).with_recompute(
+            plan.recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +174,7 @@ def _stage_arrays(structure: Structure, costs: CostTable, split: bool) -> tuple[
     """The structure's stage costs, and per stage the B and W durations under `split`. (What a
     stage sends its successor, `output`, moves with skip tensors; their own messages to later
     stages are the simulator's, not this scheduler's, to time.)"""
-    sc = StageCosts.of(structure.boundaries, costs, structure.recompute)
+    sc = StageCosts.of(structure.boundaries, costs, structure.recompute, structure.selective)
     backward = list(sc.backward_input if split else sc.backward_full)
     weight = list(sc.weight) if split else [0.0] * structure.num_stages
     return sc, backward, weight
@@ -498,7 +516,8 @@ def plan_shape(structure: Structure) -> tuple:
     number: dict[int, int] = {}
     for device in visits:
         number.setdefault(device, len(number))
-    return (tuple(number[device] for device in visits), sum(map(bool, structure.recompute)))
+    return (tuple(number[device] for device in visits), sum(map(bool, structure.recompute)),
+            sum(map(bool, structure.selective)))
 
 
 @dataclass(frozen=True)
@@ -552,6 +571,8 @@ class _Search:
         self.try_recompute = False
         """Whether the search spends work on recomputation: set when a baseline with every stage
         recomputing beats every start that fits without it."""
+        self.selective = recompute and costs.has_selective_info
+        """Whether recomputation may be selective (the costs say what it holds and costs)."""
         self.activation_budget = list(activation_budget) if activation_budget is not None else None
         self.memory_limit = memory_limit_bytes
         self.memory = memory
@@ -839,20 +860,25 @@ def tune(
     search.try_recompute = False
     if search.recompute and starts and search.memory_bound(min(starts, key=lambda c: c.iteration_ms)):
         plain = min((c.iteration_ms for c in starts if c.feasible), default=math.inf)
+        recomputing, spent = [], search.work
         for name, plan in sorted((start_plans or {}).items()):
-            again = plan.with_recompute([True] * plan.num_stages)
-            candidate = search.evaluate(again, f"baseline {name}, recompute every stage", Structure.of(again), None)
-            if candidate is not None:
-                starts.append(candidate)
-                search.try_recompute |= candidate.feasible and candidate.iteration_ms < plain
+            for again, how in _recomputing(plan, search.selective):
+                candidate = search.evaluate(again, f"baseline {name}, {how}", Structure.of(again), None)
+                if candidate is not None:
+                    recomputing.append(candidate)
+                    search.try_recompute |= candidate.feasible and candidate.iteration_ms < plain
+        if search.try_recompute:
+            starts += recomputing
+        else:  # not worth it: the rest of the search is recompute=False's, with its whole budget
+            search.work = spent
     if search.try_recompute:
         for structure, label in dict(structures).items():
-            if search.exhausted():
-                break
-            candidate = search.best_policy(structure.with_recompute([True] * structure.num_stages),
-                                           f"{label}, recompute every stage", SCREEN_POLICIES[:3])
-            if candidate is not None:
-                starts.append(candidate)
+            for again, how in _recomputing_structures(structure, search.selective):
+                if search.exhausted():
+                    break
+                candidate = search.best_policy(again, f"{label}, {how}", SCREEN_POLICIES[:3])
+                if candidate is not None:
+                    starts.append(candidate)
     # 2. candidate structures, screened with a few policies, the best with all of them
     structures += candidate_structures(costs, p, num_microbatches, seed=seed, deadline=search.deadline)
     unique: dict[Structure, str] = {}
@@ -875,12 +901,12 @@ def tune(
     # where memory binds the best of them, the same structures with every stage recomputing
     if search.try_recompute and screened and search.memory_bound(search.scheduled_best(screened[0][2])):
         for _, _, structure, label in screened[:3]:
-            if search.exhausted():
-                break
-            candidate = search.best_policy(structure.with_recompute([True] * structure.num_stages),
-                                           f"{label}, recompute every stage", SCREEN_POLICIES)
-            if candidate is not None:
-                starts.append(candidate)
+            for again, how in _recomputing_structures(structure, search.selective):
+                if search.exhausted():
+                    break
+                candidate = search.best_policy(again, f"{label}, {how}", SCREEN_POLICIES)
+                if candidate is not None:
+                    starts.append(candidate)
     # 3. hill climbing from the most promising distinct starts: the fastest plans that fit, and
     #    the fastest that do not by a little (a baseline's order over the limit is repaired by
     #    moving boundaries under it)
@@ -990,10 +1016,10 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
-        if found is None and (search.try_recompute or current.structure.recompute):
+        if found is None and (search.try_recompute or current.structure.recompute or current.structure.selective):
             # at a local optimum: recomputation off, or on where memory binds
             budget = search.budget_for(current.structure) if search.try_recompute else None
-            for structure, label in _recompute_moves(current, budget):
+            for structure, label in _recompute_moves(current, budget, search.selective):
                 if search.exhausted():
                     break
                 candidate = search.best_policy(structure, f"{current.origin}; {label}", policies)
@@ -1046,27 +1072,62 @@ def _structure_moves(structure: Structure, loads: Sequence[float] | None = None)
     return moves
 
 
-def _recompute_moves(candidate: Candidate, budget: Sequence[float] | None) -> list[tuple[Structure, str]]:
-    """Activation recomputation toggled: off for each stage that recomputes; under a memory limit,
-    on for each stage of the device whose activations fill most of its budget, and for all of
-    them at once (recomputation only adds time: it pays where memory holds microbatches back)."""
+def _recomputing(plan: PipelinePlan, selective: bool) -> list[tuple[PipelinePlan, str]]:
+    """`plan` with every stage recomputing its activations, and (where the costs know it,
+    `selective`) with every stage recomputing selectively: what a baseline's users turn on when
+    memory runs out."""
+    n = plan.num_stages
+    plans = [(plan.with_recompute([True] * n), "recompute every stage")]
+    if selective:
+        plans.append((plan.with_recompute([False] * n, [True] * n), "selective recomputation every stage"))
+    return plans
+
+
+def _recomputing_structures(structure: Structure, selective: bool) -> list[tuple[Structure, str]]:
+    """`structure` so (see `_recomputing`)."""
+    n = structure.num_stages
+    structures = [(structure.with_recompute([True] * n), "recompute every stage")]
+    if selective:
+        structures.append((structure.with_selective([True] * n), "selective recomputation every stage"))
+    return structures
+
+
+def _recompute_moves(candidate: Candidate, budget: Sequence[float] | None,
+                     selective: bool = False) -> list[tuple[Structure, str]]:
+    """Activation recomputation toggled: off for each stage that recomputes (fully or
+    selectively); under a memory limit, on for each stage of the device whose activations fill
+    most of its budget, and for all of them at once (recomputation only adds time: it pays where
+    memory holds microbatches back). With `selective` (the costs know what it holds and costs),
+    the same with selective recomputation, and a fully recomputing stage made selective."""
     structure = candidate.structure
     flags = list(structure.recompute or (False,) * structure.num_stages)
+    cheap = list(structure.selective or (False,) * structure.num_stages)
     moves = []
     for s in range(structure.num_stages):
         if flags[s]:
             moves.append((structure.with_recompute(flags[:s] + [False] + flags[s + 1:]), f"no recompute stage {s}"))
+            if selective:
+                moves.append((structure.with_selective(cheap[:s] + [True] + cheap[s + 1:]), f"selective stage {s}"))
+        if cheap[s]:
+            moves.append((structure.with_selective(cheap[:s] + [False] + cheap[s + 1:]), f"no selective stage {s}"))
     if budget is not None:
         device = max(range(structure.num_devices),
                      key=lambda d: (candidate.peak_activation[d] / max(budget[d], 1e-9), -d))
         stages = [s for s in range(structure.num_stages) if structure.placement[s] == device and not flags[s]]
         for s in stages:
             moves.append((structure.with_recompute(flags[:s] + [True] + flags[s + 1:]), f"recompute stage {s}"))
+            if selective and not cheap[s]:
+                moves.append((structure.with_selective(cheap[:s] + [True] + cheap[s + 1:]), f"selective stage {s}"))
         if len(stages) > 1:
             every = [flag or s in stages for s, flag in enumerate(flags)]
             moves.append((structure.with_recompute(every), f"recompute device {device}"))
+            if selective:
+                every = [flag or s in stages for s, flag in enumerate(cheap)]
+                moves.append((structure.with_selective(every), f"selective device {device}"))
         if not all(flags):
             moves.append((structure.with_recompute([True] * structure.num_stages), "recompute every stage"))
+        if selective and not all(cheap):
+            moves.append((structure.with_selective([True] * structure.num_stages), "selective every stage"))
     return moves
 
 

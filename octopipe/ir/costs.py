@@ -10,6 +10,10 @@ gradients into `.grad` (every microbatch of a step after the first does) and `ac
 W's part of it; the backward times include (M-1)/M of them, M being the table's
 `num_microbatches` (absent: none of them). `CostTable.for_microbatches` re-costs a table for
 another M; `plan` and `simulate` do that for the M they are given.
+Selective recomputation (a stage's `Stage.selective`): `selective_activation_bytes` is what the
+layer holds from F to B when it keeps only its compute-heavy ops' outputs (matmuls, attention,
+convolutions), and `selective_recompute_ms` what recomputing the rest at B costs;
+absent: not known, and the planner does not offer it.
 Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the
 next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
@@ -54,8 +58,9 @@ MAX_LAYER_MS = 1e9
 64 bits."""
 
 _TIME_FIELDS = ("forward_ms", "backward_ms")
-_OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms")
-_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes")
+_OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms",
+                         "selective_recompute_ms")
+_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes")
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -82,6 +87,10 @@ class LayerCost:
     times carry the table's accumulating share of it (see the module docstring). None: not known."""
     accumulate_weight_ms: float | None = None
     """W's part of `accumulate_ms` (the gradients W computes; the rest is B's)."""
+    selective_activation_bytes: int | None = None
+    """Bytes held from F to B under selective recomputation (see the module docstring)."""
+    selective_recompute_ms: float | None = None
+    """What B pays first under selective recomputation: the forward of the ops it recomputes."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -95,7 +104,9 @@ class LayerCost:
             ("backward_ms", self.backward_ms), ("backward_weight_ms", self.backward_weight_ms),
             ("backward_full_ms", self.backward_full_ms), ("accumulate_ms", self.accumulate_ms),
             ("accumulate_weight_ms", self.accumulate_weight_ms), ("activation_bytes", self.activation_bytes),
-            ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes), *(("f." + key, text) for key, text in self.formulas),
+            ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes),
+            ("selective_activation_bytes", self.selective_activation_bytes),
+            ("selective_recompute_ms", self.selective_recompute_ms), *(("f." + key, text) for key, text in self.formulas),
         ]
 
     def __str__(self) -> str:
@@ -240,6 +251,24 @@ class CostTable:
         return layer.backward_ms * self.weight_fraction
 
     @property
+    def selective_activation(self) -> tuple[float, ...]:
+        """Bytes each layer holds from F to B under selective recomputation (its activation bytes
+        where the table does not say)."""
+        return self._array("selective_activation", (
+            float(layer.activation_bytes or 0) if layer.selective_activation_bytes is None
+            else float(layer.selective_activation_bytes) for layer in self.layers))
+
+    @property
+    def selective_recompute(self) -> tuple[float, ...]:
+        """Each layer's B's extra time under selective recomputation, ms (0 where not known)."""
+        return self._array("selective_recompute", (layer.selective_recompute_ms or 0.0 for layer in self.layers))
+
+    @property
+    def has_selective_info(self) -> bool:
+        """Whether the table knows what selective recomputation holds and costs (some layer says)."""
+        return any(layer.selective_activation_bytes is not None for layer in self.layers)
+
+    @property
     def has_memory_info(self) -> bool:
         return any(layer.activation_bytes is not None for layer in self.layers)
 
@@ -357,6 +386,8 @@ class CostTable:
                 activation_bytes=reader.optional_int("activation_bytes"),
                 output_bytes=reader.optional_int("output_bytes"),
                 param_bytes=reader.optional_int("param_bytes"),
+                selective_activation_bytes=reader.optional_int("selective_activation_bytes"),
+                selective_recompute_ms=reader.optional_float("selective_recompute_ms"),
             )
             formulas = []
             for key, value in reader.rest().items():

@@ -77,6 +77,16 @@ class Stage:
     """Activation recomputation: F keeps only the stage's inputs and the outputs it sent, B runs
     the forward again first (B costs one more F; between F and B the stage holds those instead of
     its activations)."""
+    selective: bool = False
+    """Selective recomputation (Megatron's): F keeps the outputs of the compute-heavy ops (matmuls,
+    attention, convolutions) and B recomputes the cheap ones (norms, activations, elementwise,
+    embedding lookups) from them first (`LayerCost.selective_activation_bytes` held,
+    `selective_recompute_ms` more B). Not with `recompute`."""
+
+    def __post_init__(self) -> None:
+        if self.recompute and self.selective:
+            raise PlanError(f"stage {self.index}: both recompute and selective; a stage recomputes all its "
+                            "activations (recompute) or the cheap ones (selective), not both")
 
     @property
     def num_layers(self) -> int:
@@ -84,7 +94,7 @@ class Stage:
 
     def __str__(self) -> str:
         text = f"stage {self.index} layers={self.layer_start}:{self.layer_end} device={self.device}"
-        return text + " recompute" if self.recompute else text
+        return text + (" recompute" if self.recompute else " selective" if self.selective else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +121,12 @@ class PipelinePlan:
         device_ops: Sequence[Iterable[Op]],
         num_devices: int | None = None,
         recompute: Sequence[bool] = (),
+        selective: Sequence[bool] = (),
     ) -> PipelinePlan:
         """Convenience constructor. `partition` is either boundaries [0, b1, ..., num_layers] or
         (start, end) pairs; `placement[s]` is stage s's device; `recompute[s]` whether stage s
-        recomputes its activations (empty: none does)."""
+        recomputes its activations, `selective[s]` whether it recomputes the cheap ones (empty:
+        none does)."""
         if partition and isinstance(partition[0], tuple):
             ranges = list(partition)  # type: ignore[arg-type]
         else:
@@ -124,8 +136,12 @@ class PipelinePlan:
             raise PlanError(f"{len(ranges)} stage layer ranges but {len(placement)} stage devices")
         if recompute and len(recompute) != len(ranges):
             raise PlanError(f"{len(ranges)} stage layer ranges but {len(recompute)} recompute flags")
+        if selective and len(selective) != len(ranges):
+            raise PlanError(f"{len(ranges)} stage layer ranges but {len(selective)} selective flags")
         flags = tuple(bool(r) for r in recompute) or (False,) * len(ranges)
-        stages = tuple(Stage(i, a, b, d, r) for i, ((a, b), d, r) in enumerate(zip(ranges, placement, flags)))
+        cheap = tuple(bool(r) for r in selective) or (False,) * len(ranges)
+        stages = tuple(Stage(i, a, b, d, r, c)
+                       for i, ((a, b), d, r, c) in enumerate(zip(ranges, placement, flags, cheap)))
         devices = num_devices if num_devices is not None else len(device_ops)
         return cls(devices, num_microbatches, stages, tuple(tuple(ops) for ops in device_ops))
 
@@ -151,6 +167,11 @@ class PipelinePlan:
         """Per stage: whether it recomputes its activations at B."""
         return tuple(stage.recompute for stage in self.stages)
 
+    @property
+    def selective(self) -> tuple[bool, ...]:
+        """Per stage: whether it recomputes its cheap ops' outputs at B (selective recomputation)."""
+        return tuple(stage.selective for stage in self.stages)
+
     def stages_of(self, device: int) -> tuple[int, ...]:
         return tuple(stage.index for stage in self.stages if stage.device == device)
 
@@ -169,11 +190,17 @@ class PipelinePlan:
     def with_ops(self, device_ops: Sequence[Iterable[Op]]) -> PipelinePlan:
         return PipelinePlan(self.num_devices, self.num_microbatches, self.stages, tuple(tuple(o) for o in device_ops))
 
-    def with_recompute(self, recompute: Sequence[bool]) -> PipelinePlan:
-        """The same plan with these per-stage recomputation flags."""
+    def with_recompute(self, recompute: Sequence[bool], selective: Sequence[bool] | None = None) -> PipelinePlan:
+        """The same plan with these per-stage recomputation flags (and selective ones; None: none
+        where `recompute` is set, the plan's own elsewhere)."""
         if len(recompute) != self.num_stages:
             raise PlanError(f"{len(recompute)} recompute flags for a plan of {self.num_stages} stages")
-        stages = tuple(Stage(s.index, s.layer_start, s.layer_end, s.device, bool(r)) for s, r in zip(self.stages, recompute))
+        if selective is None:
+            selective = [s.selective and not r for s, r in zip(self.stages, recompute)]
+        if len(selective) != self.num_stages:
+            raise PlanError(f"{len(selective)} selective flags for a plan of {self.num_stages} stages")
+        stages = tuple(Stage(s.index, s.layer_start, s.layer_end, s.device, bool(r), bool(c))
+                       for s, r, c in zip(self.stages, recompute, selective))
         return PipelinePlan(self.num_devices, self.num_microbatches, stages, self.device_ops)
 
     # -- structural check -----------------------------------------------------------------------
@@ -254,11 +281,13 @@ class PipelinePlan:
         device_ops: dict[int, tuple[Op, ...]] = {}
         for number, line in lines[1:]:
             if line.startswith("stage "):
-                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)( recompute)?", line)
+                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)( recompute| selective)?", line)
                 if not match:
                     raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D' (and ' recompute' where the "
-                                     f"stage recomputes its activations), got {line!r}")
-                stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) is not None))
+                                     f"stage recomputes its activations, ' selective' where it recomputes the cheap "
+                                     f"ones), got {line!r}")
+                stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) == " recompute",
+                                    selective=match.group(5) == " selective"))
             elif line.startswith("device "):
                 match = re.fullmatch(r"device (\d+):(.*)", line)
                 if not match:
@@ -283,7 +312,8 @@ class PipelinePlan:
         return {
             "num_devices": self.num_devices,
             "num_microbatches": self.num_microbatches,
-            "stages": [{"layers": [s.layer_start, s.layer_end], "device": s.device} | ({"recompute": True} if s.recompute else {})
+            "stages": [{"layers": [s.layer_start, s.layer_end], "device": s.device}
+                       | ({"recompute": True} if s.recompute else {}) | ({"selective": True} if s.selective else {})
                        for s in self.stages],
             "device_ops": [[str(op) for op in ops] for ops in self.device_ops],
         }
@@ -294,9 +324,10 @@ class PipelinePlan:
     @classmethod
     def from_dict(cls, data: Any) -> PipelinePlan:
         """The JSON form: keys num_devices, num_microbatches, stages [{layers: [start, end],
-        device, optional recompute}], device_ops; anything else (but `planned_with`, what
+        device, optional recompute, optional selective}], device_ops; anything else (but `planned_with`, what
         `octopipe plan -o` stores beside it) is refused, and numbers must be integers."""
-        expected = ("expected keys num_devices, num_microbatches, stages[{layers, device, optional recompute}], "
+        expected = ("expected keys num_devices, num_microbatches, stages[{layers, device, optional recompute, "
+                    "optional selective}], "
                     "device_ops")
         if not isinstance(data, dict):
             raise ParseError(f"plan JSON is a {type(data).__name__}, not an object; {expected}")
@@ -307,13 +338,14 @@ class PipelinePlan:
             stages = []
             for i, raw in enumerate(data["stages"]):
                 where = f"plan JSON stage {i}"
-                if not isinstance(raw, dict) or sorted(set(raw) - {"recompute"}) != ["device", "layers"]:
-                    raise ParseError(f"{where}: expected {{layers: [start, end], device, optional recompute}}, got {raw!r}")
+                if not isinstance(raw, dict) or sorted(set(raw) - {"recompute", "selective"}) != ["device", "layers"]:
+                    raise ParseError(f"{where}: expected {{layers: [start, end], device, optional recompute, optional "
+                                     f"selective}}, got {raw!r}")
                 if not isinstance(raw["layers"], list) or len(raw["layers"]) != 2:
                     raise ParseError(f"{where}: layers must be [start, end], got {raw['layers']!r}")
                 start, end = (_integer(value, f"{where} layers") for value in raw["layers"])
                 stages.append(Stage(i, start, end, _integer(raw["device"], f"{where} device"),
-                                    _flag(raw.get("recompute", False))))
+                                    _flag(raw.get("recompute", False)), _flag(raw.get("selective", False))))
             device_ops = tuple(tuple(Op.parse(op) for op in ops) for ops in data["device_ops"])
             return cls(_integer(data["num_devices"], "plan JSON num_devices"),
                        _integer(data["num_microbatches"], "plan JSON num_microbatches"), tuple(stages), device_ops)
@@ -333,10 +365,11 @@ class PipelinePlan:
         gradient), `2W0`, `2B0` (full backward). Our B maps to I when the pair has a W. The CSV
         cannot say that a stage recomputes its activations: such a plan is refused, not exported
         without it."""
-        recomputing = [s.index for s in self.stages if s.recompute]
+        recomputing = [s.index for s in self.stages if s.recompute or s.selective]
         if recomputing:
             raise PlanError(f"stages {recomputing} recompute their activations, which PyTorch's schedule CSV cannot "
-                            "express; export plan.with_recompute([False] * plan.num_stages) to run it without")
+                            "express; export plan.with_recompute([False] * plan.num_stages, [False] * plan.num_stages) "
+                            "to run it without")
         split = self.split_backward()
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

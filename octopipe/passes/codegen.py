@@ -340,7 +340,7 @@ def codegen(
                   if id(t) in owner_of}
         stages.append(StageModule(stage, stage_module, tuple(src for _, src in ordered), outputs,
                                   is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values()),
-                                  recompute=plan.stages[stage].recompute))
+                                  recompute=plan.stages[stage].recompute, selective=plan.stages[stage].selective))
     return tuple(stages)
 
 

@@ -527,6 +527,11 @@ class LayerWork:
     param_bytes: Poly
     edge_bytes: dict[str, Poly] = field(default_factory=dict)
     """Bytes of each tensor edge this layer produces (their sum is `output_bytes`)."""
+    kept_bytes: Poly = field(default_factory=Poly)
+    """Under selective recomputation: the outputs of the layer's heavy ops (`_SELECTIVE_KEPT`)
+    that need grad, what PyTorch's selective checkpoint stores for them."""
+    recomputed: frozenset[str] = frozenset()
+    """Under selective recomputation: the ops B runs again (every op but the heavy ones)."""
 
     def total(self, name: str) -> Poly:
         if name == "activation_bytes":
@@ -581,6 +586,9 @@ _MATMULS = _ops(
     "_convolution conv_transpose1d conv_transpose2d _grouped_mm grouped_mm"
 )
 _EMBEDDING = {"embedding", "embedding_bag"}
+_SELECTIVE_KEPT = _MATMULS | _SDPA | {"module"}
+"""Ops whose outputs selective recomputation keeps (runtime/stage.py SELECTIVE_SAVED_OPS, at the
+level of the traced graph's calls; an opaque module call is priced as a matmul and kept)."""
 _DROPOUT = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout"}
 _MULTIPLY = {"mul", "div", "truediv", "floordiv", "matmul_elementwise", "pow_tensor", "maximum", "minimum", "atan2"}
 _MASKS = {"where", "masked_fill", "masked_fill_", "scatter", "scatter_add", "index_put", "masked_scatter"}
@@ -1099,10 +1107,13 @@ def _layer_works(
         ops: list[OpWork] = []
         saved: dict[str, Poly] = {}
         ssd_calls: dict[str, tuple[nn.Module, list[fx.Node]]] = {}
+        kept = Poly()
+        recomputed: set[str] = set()
         for name in layer.nodes:
             node = nodes[name]
             op_name = _op_name(node, gm)
             work, keep = pricer.price(node, op_name)
+            heavy = _selective_kept(node, op_name, gm)
             path = _innermost_path(node, modules)
             module = modules.get(path)
             ssd_module = _owning_module(node, modules, lambda m: _ssd_spec(m) is not None)
@@ -1117,12 +1128,19 @@ def _layer_works(
                 weights = sum((pricer.nbytes(n) for n in node.all_input_nodes if pricer.is_param(n)), Poly())
                 work = work.scaled(factor, weights)
                 keep = {k: v * factor for k, v in keep.items()}
+                if heavy and pricer.grad(node):
+                    kept = kept + pricer.nbytes(node) * factor
+            elif heavy and pricer.grad(node):
+                kept = kept + pricer.nbytes(node)
+            if not heavy:
+                recomputed.add(node.name)
             ops.append(work)
             saved.update(keep)
         for key, (module, members) in ssd_calls.items():
             work, keep = _ssd_work(key, module, members, shapes, dtype_bytes)
             ops.append(work)
             saved.update(keep)
+            kept = sum(keep.values(), kept)  # the chunked scan: priced as kept whole, nothing run again
         output = Poly()
         edge_bytes = {}
         for edge in graph.edges:
@@ -1131,8 +1149,18 @@ def _layer_works(
                 if value is not None and value.is_tensor:
                     edge_bytes[edge.name] = value.numel * _elem_bytes(value.dtype, dtype_bytes)
                     output = output + edge_bytes[edge.name]
-        works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes), edge_bytes))
+        works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes), edge_bytes,
+                               kept, frozenset(recomputed)))
     return works
+
+
+def _selective_kept(node: fx.Node, op_name: str, gm: fx.GraphModule) -> bool:
+    """Whether selective recomputation keeps the op's output (a leaf module call by the op it
+    stands for, as the pricing reads it; an unknown module is priced as a matmul and kept)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        op_name = next((op for cls, op in _MODULE_OPS.items() if isinstance(module, cls)), "module")
+    return op_name in _SELECTIVE_KEPT
 
 
 def _is_quadratic(node: fx.Node, shapes: Mapping[str, SymValue | None]) -> bool:
@@ -1281,6 +1309,9 @@ def analytic_costs(
                 accumulate_ms=accumulate_ms,
                 accumulate_weight_ms=accumulate_weight_ms,
                 activation_bytes=_to_bytes(work.total("activation_bytes").evaluate(batch_size, seq)),
+                selective_activation_bytes=_to_bytes(work.kept_bytes.evaluate(batch_size, seq)),
+                selective_recompute_ms=sum(op_ms(op.forward_flops, op.forward_bytes) for op in work.ops
+                                           if op.node in work.recomputed),
                 output_bytes=_to_bytes(work.output_bytes.evaluate(batch_size, seq)),
                 param_bytes=layer.num_params * dtype_bytes,
                 formulas=formulas,

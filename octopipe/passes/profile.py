@@ -21,6 +21,9 @@ and run alone on the captured inputs, so layers are timed separately:
   bf16), which `autograd.grad` above does not do. The addition is timed on the layer's
   parameters (`accumulate_ms`, W's part `accumulate_weight_ms`), and with `num_microbatches` = M
   (M-1)/M of it joins B+W, the part of the parameters W defers joining W.
+- selective recomputation: the bytes of the layer's heavy ops' outputs (`SELECTIVE_SAVED_OPS`,
+  what PyTorch's selective checkpoint keeps), and its cost, the layer's forward and backward
+  under the selective checkpoint less the plain ones.
 Backward passes reuse one recorded forward (`retain_graph=True`) with random output gradients.
 Each measurement is warmed up, then the median of `repeats` runs. Timers: `time.perf_counter` on
 CPU; on CUDA `triton.testing.do_bench` when triton imports (median), else CUDA events, with a
@@ -39,11 +42,13 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from octopipe.errors import ExecutionError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import Layer, LayerGraph
 from octopipe.runtime import amp
+from octopipe.runtime.stage import SELECTIVE_SAVED_OPS, selective_checkpoint
 
 __all__ = ["LayerModule", "layer_modules", "profile_costs"]
 
@@ -305,8 +310,9 @@ def _measure(
             if name != "output"
             for t in _flat_tensors(value)
         )
-        backward_ms = input_only_ms = weight_only_ms = accumulate_ms = 0.0
+        backward_ms = input_only_ms = weight_only_ms = accumulate_ms = selective_ms = 0.0
         deferred_share = 0.0
+        selective_bytes = 0
         if out_tensors and (act_inputs or params):
             grads = [torch.randn_like(t) for t in out_tensors]
 
@@ -318,6 +324,7 @@ def _measure(
                                                                          autocast_forward)
             if params:  # timed whatever the microbatch count: the table can be re-costed for another one
                 accumulate_ms = _accumulate_time(params, timer)
+            selective_bytes, selective_ms = _selective(sub, inputs, act_inputs + params, grads, timer, autocast_forward)
     except Exception as exc:  # noqa: BLE001 - one clear error naming the layer
         raise ExecutionError(
             f"profile_costs: layer {layer.index} ({layer.name!r}) failed: {type(exc).__name__}: {exc}"
@@ -339,7 +346,44 @@ def _measure(
         activation_bytes=int(activation_bytes),
         output_bytes=int(output_bytes),
         param_bytes=int(param_bytes),
+        selective_activation_bytes=int(selective_bytes),
+        selective_recompute_ms=selective_ms,
     )
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Sums the bytes of what selective recomputation keeps: the outputs of `SELECTIVE_SAVED_OPS`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SELECTIVE_SAVED_OPS:
+            self.bytes += sum(t.numel() * t.element_size() for t in _flat_tensors(out))
+        return out
+
+
+def _selective(sub: LayerModule, inputs: list[Any], wrt: list[torch.Tensor], grads: list[torch.Tensor],
+               timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[int, float]:
+    """Selective recomputation of one layer: the bytes its heavy ops' outputs take (what it keeps
+    from F to B), and what recomputing the rest costs, as the forward and backward under the
+    selective checkpoint less the plain forward and backward (each timed whole: a selective
+    checkpoint's backward runs once per forward)."""
+    with _KeptOutputs() as kept, torch.no_grad(), autocast_forward():
+        sub.module(*inputs)
+
+    def forward_backward(selective: bool) -> Callable[[], Any]:
+        def run() -> Any:
+            with autocast_forward():
+                outputs = selective_checkpoint(sub.module, *inputs) if selective else sub.module(*inputs)
+            tensors = [t for t in _flat_tensors(outputs) if t.requires_grad]
+            return torch.autograd.grad(tensors, wrt, grads, allow_unused=True)
+        return run
+
+    plain_ms = timer(forward_backward(False))
+    return kept.bytes, max(0.0, timer(forward_backward(True)) - plain_ms)
 
 
 def _accumulate_time(params: list[torch.Tensor], timer: _Timer) -> float:

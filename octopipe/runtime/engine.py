@@ -24,6 +24,9 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   engine's CUDA device), and its B first runs the forward again with grad on those inputs and that
   RNG state (the same dropout masks; the RNG stream outside is left as it was, as
   `torch.utils.checkpoint` does), then backpropagates as above; its sent outputs are F's values;
+- a `selective` stage runs F under `selective_checkpoint`: autograd keeps its inputs and the
+  outputs of its matmuls and attention, and its B's backward first runs the
+  other ops of the forward again (same RNG state and autocast: the same values);
 - `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
   it (a process group per tied rank set, created collectively in the constructor);
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
@@ -57,6 +60,7 @@ on every rank; `load_into_model` / `load_optimizer_state` put a merged state int
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -71,7 +75,7 @@ from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materialize
-from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads
+from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads, selective_checkpoint
 
 
 def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
@@ -621,7 +625,10 @@ class Engine:
                 slot.rng_state = (torch.get_rng_state(),
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
             with torch.set_grad_enabled(not stage.recompute), amp.autocast(self.autocast, self.device):
-                slot.outputs = self._run(stage, args)
+                if stage.selective:  # autograd keeps the heavy ops' outputs; B recomputes the rest
+                    slot.outputs = selective_checkpoint(functools.partial(self._run, stage), args)
+                else:
+                    slot.outputs = self._run(stage, args)
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
             self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
 

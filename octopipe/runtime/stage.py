@@ -93,6 +93,9 @@ class StageModule:
     recompute: bool = False
     """Activation recomputation: the engine runs F without keeping the autograd graph (it keeps the
     inputs and the RNG state) and runs the forward again, with that RNG state, at the start of B."""
+    selective: bool = False
+    """Selective recomputation: the engine runs F under `selective_checkpoint`, which keeps the
+    outputs of the compute-heavy ops (`SELECTIVE_SAVED_OPS`) and recomputes the rest in B."""
 
     def original_name(self, local_name: str) -> str:
         return self.parameter_names.get(local_name, local_name)
@@ -121,10 +124,43 @@ class StageModule:
         return tuple(sorted(positions, key=lambda i: self.inputs[i].index))
 
     def describe(self) -> str:
-        lines = [f"stage {self.index}{' (loss)' if self.is_loss else ''}{' (recompute)' if self.recompute else ''}"]
+        how = " (recompute)" if self.recompute else " (selective recompute)" if self.selective else ""
+        lines = [f"stage {self.index}{' (loss)' if self.is_loss else ''}{how}"]
         lines += [f"  in  {src}" for src in self.inputs]
         lines += [f"  out {spec}" for spec in self.outputs]
         return "\n".join(lines)
+
+
+def _selective_saved_ops() -> frozenset[Any]:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+SELECTIVE_SAVED_OPS = _selective_saved_ops()
+"""The ops whose outputs selective recomputation keeps (matmuls, attention, convolutions: the
+compute-heavy ones); every other op of the stage's forward runs again in B (an embedding lookup
+too: a gather, and its output is far larger than the indices it needs). `passes/costs.py` prices
+it with the same split."""
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` under selective activation checkpointing (PyTorch's non-reentrant
+    checkpoint with a policy): autograd keeps the inputs and the outputs of `SELECTIVE_SAVED_OPS`,
+    and the backward runs the rest of the forward again first, with the RNG state and autocast
+    of the call (so dropout masks and results are the same as without it)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy))
 
 
 def stage_links(stages: Iterable[StageModule]) -> frozenset[tuple[int, int]]:
