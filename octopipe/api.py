@@ -109,12 +109,12 @@ def plan(
         raise ArgumentError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)
     if activation_limit is not None and not costs.has_memory_info:
-        raise PlanError(f"plan: activation_limit={activation_limit!r} but the cost table{_named(costs)} has no "
+        raise ArgumentError(f"plan: activation_limit={activation_limit!r} but the cost table{_named(costs)} has no "
                         "activation_bytes, so no plan could exceed it; fill them (octopipe.profiles.load_profile "
                         "for a published profile, CLI --costs fills them itself; analytic_costs or profile_costs "
                         "for a model) or drop the limit")
     if memory_limit_bytes is not None and not costs.has_memory_info and not any(costs.params):
-        raise PlanError(f"plan: memory_limit_bytes={memory_limit_bytes!r} but the cost table{_named(costs)} has "
+        raise ArgumentError(f"plan: memory_limit_bytes={memory_limit_bytes!r} but the cost table{_named(costs)} has "
                         "neither activation_bytes nor param_bytes, so no plan could exceed it; fill them or drop "
                         "the limit")
     memory_limit = cluster.memory_bytes if memory_limit_bytes is None else memory_limit_bytes
@@ -278,21 +278,31 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _positive_finite(value: object) -> bool:
+    """A number (not a bool) in (0, inf); huge integers included, without overflowing."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
 def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
                   time_limit_s: float, effort: float, memory_limit_bytes: float | None, seed: int) -> None:
     if not isinstance(costs, CostTable):
-        raise OctopipeError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
+        raise ArgumentError(f"plan: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"plan: num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
         raise ArgumentError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
     if num_devices > len(costs):
         raise ArgumentError(
             f"plan: {num_devices} devices but the model has only {len(costs)} layers; every device needs at least one "
             f"layer: use num_devices <= {len(costs)}"
         )
-    if not time_limit_s > 0:
-        raise ArgumentError(f"plan: time_limit_s must be positive, got {time_limit_s!r}")
+    if not _positive_finite(time_limit_s) and time_limit_s != math.inf:
+        raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < math.inf):
@@ -300,7 +310,7 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ArgumentError(f"plan: seed must be a non-negative integer, got {seed!r}")
     if not sum(costs.forward) + sum(costs.backward_full) > 0:
-        raise PlanError(
+        raise ArgumentError(
             f"plan: every layer of the cost table{_named(costs)} takes 0 ms forward and backward, so no plan is faster "
             "than another; fill forward_ms and backward_ms (octopipe.bench.runtime_profile measures them, "
             "compile(..., costs='analytic') estimates them)"
@@ -557,7 +567,7 @@ def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None 
     `iteration_ms` are given under PLANNED_WITH (`PipelinePlan.from_json`, `load_plan` and
     `compile(plan=path)` read the plan and skip them); the text form for any other suffix."""
     path = Path(path)
-    if path.suffix != ".json":
+    if path.suffix.lower() != ".json":
         path.write_text(str(plan_))
         return
     data = plan_.to_dict()
@@ -590,8 +600,9 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     cluster = (ClusterSpec.from_dict(context["cluster"], where=f"{path} ({PLANNED_WITH}.cluster)")
                if "cluster" in context else None)
     iteration_ms = context.get("iteration_ms")
-    if iteration_ms is not None and not isinstance(iteration_ms, (int, float)):
-        raise ParseError(f"{path}: {PLANNED_WITH}.iteration_ms must be a number, got {iteration_ms!r}")
+    if iteration_ms is not None and not _positive_finite(iteration_ms):
+        raise ParseError(f"{path}: {PLANNED_WITH}.iteration_ms must be a positive number of milliseconds, got "
+                         f"{iteration_ms!r:.60}; the file was edited by hand? Save it again with octopipe plan -o")
     if cluster is not None and cluster.num_devices < plan_.num_devices:
         raise ParseError(f"{path}: the plan runs on {plan_.num_devices} devices but its {PLANNED_WITH}.cluster has "
                          f"{cluster.num_devices}; the file was edited by hand? Save it again with octopipe plan -o")
@@ -823,6 +834,9 @@ def plan_data_parallel(
     on a tie); a count whose replica cannot plan (the model does not fit in memory, fewer layers
     than devices) is listed with the reason."""
     cluster = ClusterSpec.of(cluster, "plan_data_parallel: cluster")
+    if cluster.data_parallel > 1:
+        raise ArgumentError(f"plan_data_parallel: the cluster is already one of {cluster.data_parallel} replicas "
+                            f"({cluster.name}); give the whole cluster, and it chooses the replica count itself")
     if not any(layer.param_bytes for layer in costs.layers):
         raise ArgumentError("plan_data_parallel: the cost table has no param_bytes, so every replica would hold no "
                             "weights and all-reduce nothing, and the most replicas would always win; use costs of a "
@@ -846,7 +860,9 @@ def plan_data_parallel(
         raise ArgumentError(f"plan_data_parallel: no replica count among {list(counts)} divides both the "
                             f"{cluster.num_devices} devices (and a node's {cluster.devices_per_node}) and the "
                             f"{num_microbatches} microbatches")
-    tried = []
+    if not _positive_finite(time_limit_s):
+        raise ArgumentError(f"plan_data_parallel: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    tried, failures = [], []
     deadline = time.perf_counter() + time_limit_s
     # the most replicas first: their replicas are the smallest searches, and those that cannot
     # hold the model fail at once, so what they leave goes to the larger pipelines
@@ -857,10 +873,14 @@ def plan_data_parallel(
             row.result = plan(costs, replica, row.num_microbatches, time_limit_s=share, quiet=quiet, **options)
         except OctopipeError as error:
             row.error = str(error).splitlines()[0].split(" (")[0][:200]
+            failures.append(error)
         tried.append(row)
     tried.sort(key=lambda row: row.data_parallel)
     planned = [row for row in tried if row.result is not None]
     if not planned:
+        wrong = [error for error in failures if not isinstance(error, InfeasibleError)]
+        if len(wrong) == len(failures) and len({str(error) for error in wrong}) == 1:
+            raise wrong[0]  # the same wrong argument for every count: say it as plan does, in full
         raise InfeasibleError("plan_data_parallel: no replica count has a plan: "
                               + "; ".join(f"{row.data_parallel} replicas: {row.error}" for row in tried))
     best = min(planned, key=lambda row: (row.step_ms, row.data_parallel))

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from octopipe.errors import ExecutionError, InfeasibleError, OctopipeError, PlanError, VerificationError
 
+    stdout = sys.stdout
+    sys.stdout = _ClosedPipeSafe(stdout)
     try:
         _resolve_defaults(args)
         return args.run(args) or EXIT_OK
@@ -43,11 +45,40 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("octopipe: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # the reader stopped early (`octopipe simulate plan.json | head`): stop quietly, and keep
-        # the interpreter from failing again when it flushes stdout at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+    finally:
+        sys.stdout = stdout
+
+
+class _ClosedPipeSafe:
+    """stdout that outlives its reader: once the reader stops early (`octopipe plan -o p.json |
+    head`), the rest of the output goes nowhere instead of failing, so the command still does
+    its work (writes its files) and ends with its own exit code; the interpreter does not fail
+    again when it flushes stdout at exit."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _closed(self) -> None:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except (OSError, ValueError):  # no descriptor to redirect (a captured stream): drop it all
+            self._stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
@@ -431,6 +462,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if replicas == "auto" and (args.devices or args.runners_up):
         raise OctopipeError(f"plan --data-parallel auto: {'--devices' if args.devices else '--runners-up'} applies "
                             "to one replica count; give the count (--data-parallel D) with it")
+    if replicas != "auto" and replicas > 1 and args.devices:
+        raise OctopipeError(f"plan --devices {args.devices} --data-parallel {replicas}: each replica gets the "
+                            f"cluster's devices / {replicas}; drop --devices and give a cluster of "
+                            f"{replicas} x the devices a replica should have (--cluster NAME or a spec file)")
     if replicas != "auto" and replicas > 1:  # plan one replica; its devices' gradient all-reduces are priced
         cluster = cluster.replica(replicas)
     started = time.perf_counter()
@@ -467,7 +502,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             result.save(path)
         except OSError as exc:
             raise _write_error(args.output, exc) from None
-        kept = " with the cost table and cluster it was planned on" if path.suffix == ".json" else ""
+        kept = " with the cost table and cluster it was planned on" if path.suffix.lower() == ".json" else ""
         print(f"plan written to {path}{kept}")
         if args.runners_up:
             _save_runners_up(result, path)
@@ -535,7 +570,8 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         if key not in given:
             given[key] = _costs_from(args, cluster)[0]
         costs = given[key]
-        if saved.costs is not None and costs != saved.costs:
+        if saved.costs is not None and (costs.for_microbatches(plan_.num_microbatches)
+                                        != saved.costs.for_microbatches(plan_.num_microbatches)):
             print(f"note: {path} was planned on other costs ({saved.costs.model or 'a saved table'}); simulating it "
                   "on the ones given", file=sys.stderr)
     elif saved.costs is not None:
@@ -574,7 +610,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     results, given = {}, {}
     for path in args.plans:
         plan_, costs, cluster, _ = _plan_inputs(args, path, given)
-        results[Path(path).stem] = simulate(plan_, costs, cluster)
+        label = Path(path).stem if Path(path).stem not in results else path  # A/plan.json, B/plan.json
+        for copy in range(2, len(args.plans) + 2):
+            if label not in results:
+                break
+            label = f"{path} ({copy})"  # the same file twice
+        results[label] = simulate(plan_, costs, cluster)
     try:
         if len(results) == 1:
             draw_timeline(next(iter(results.values())), args.output, title=args.title)
@@ -784,6 +825,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
         _overrides(args.model, args.size, args.set)  # unknown fields and wrong types fail here, not on every rank
     else:
         _factory_options(args)
+    _check_before_launch(args, builtin)
     words = ["-m", "octopipe.cli", "train", "--model", args.model]
     if builtin:
         words += ["--size", args.size, "--batch-size", str(args.batch_size)]
@@ -802,6 +844,46 @@ def torchrun_command(args: argparse.Namespace) -> str:
     nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 {shlex.join(words)}")
+
+
+def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
+    """What every rank would refuse at its start, refused here, before a cluster's worth of
+    processes is launched: the schedule name, the model and its batch, and, where the files are
+    on this machine too, the cluster spec and a plan that does not fit the model or its
+    microbatches (a file that is not here is left to the ranks, which may see it where they run:
+    a note says so)."""
+    from octopipe import schedules
+    from octopipe.errors import OctopipeError
+
+    missing = [f"{flag} {path}" for flag, path in (("--cluster", args.cluster), ("--plan", args.plan),
+                                                    ("--init", args.init))
+               if path and not Path(path).exists()
+               and (flag != "--cluster" or Path(path).suffix in (".yaml", ".yml", ".json"))]  # (else a preset)
+    if missing:
+        print(f"note: {', '.join(missing)}: not on this machine, so not checked here; every rank reads it where it "
+              "runs", file=sys.stderr)
+    if args.cluster is not None and f"--cluster {args.cluster}" not in missing:
+        _cluster(args)
+    if args.schedule and args.schedule not in schedules.NAMES:
+        raise OctopipeError(f"--schedule {args.schedule!r}: not a baseline schedule; use one of "
+                            f"{', '.join(schedules.NAMES)}")
+    if builtin and args.batch_size % args.microbatches:
+        raise OctopipeError(f"--batch-size {args.batch_size}: not a multiple of --microbatches {args.microbatches} "
+                            "(each microbatch takes an equal share of the batch)")
+    model, inputs, target, loss_fn = _load_model(args)  # config fields and values the model refuses
+    if args.plan and f"--plan {args.plan}" not in missing:
+        from octopipe.api import load_saved_plan
+        from octopipe.passes.trace import trace
+
+        plan_ = load_saved_plan(args.plan).plan
+        if plan_.num_microbatches != args.microbatches:
+            raise OctopipeError(f"--microbatches {args.microbatches}: {args.plan} runs {plan_.num_microbatches} "
+                                "microbatches; a plan's microbatch count is its own (drop the option, or plan again)")
+        layers = len(trace(model, inputs, loss_fn=loss_fn if target is not None else None,
+                           example_target=target).layers)
+        if layers != plan_.num_layers:
+            raise OctopipeError(f"--plan {args.plan}: its stages cover {plan_.num_layers} layers, but --model "
+                                f"{args.model} has {layers}; plan this model (octopipe plan --model {args.model} -o ...)")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -903,7 +985,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=_positive_int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (positive)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")

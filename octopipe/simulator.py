@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import PlanError
+from octopipe.errors import ArgumentError, PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, render_grid
 
@@ -387,13 +387,14 @@ def message_host_ms(sc: StageCosts, stage_device: Sequence[int], cluster: Cluste
 def simulate(
     plan: PipelinePlan,
     costs: CostTable,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     *,
     blocking_sends: bool = False,
     memory: MemoryModel = MemoryModel(),
     validated: bool = False,
 ) -> SimResult:
-    """Simulate one training iteration of `plan`. Raises PlanError (with the device x step grid)
+    """Simulate one training iteration of `plan` on `cluster` (a ClusterSpec, a preset name or a
+    spec file, as `plan` takes it). Raises PlanError (with the device x step grid)
     for a plan that cannot run: an op on the wrong device, a missing or repeated op, or a
     dependency cycle, or a partition that does not cover `costs`' layers in order.
     `validated`: the caller built or checked the plan itself (the planner's own search, which
@@ -401,6 +402,12 @@ def simulate(
     skipped; the simulation still refuses a plan that cannot run. A table that knows what gradient
     accumulation costs is taken for the plan's microbatch count (`CostTable.for_microbatches`)."""
     if not validated:
+        if not isinstance(plan, PipelinePlan):
+            raise ArgumentError(f"simulate: plan must be a PipelinePlan (PipelinePlan.parse(text), "
+                                f"octopipe.api.load_saved_plan(path).plan), got {type(plan).__name__}")
+        if not isinstance(costs, CostTable):
+            raise ArgumentError(f"simulate: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
+        cluster = ClusterSpec.of(cluster, "simulate: cluster")
         plan.validate(num_layers=len(costs))
     core = _run(plan, costs, cluster, blocking_sends, memory, record=True)
     return core  # type: ignore[return-value]

@@ -289,7 +289,7 @@ def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, caps
     unknown = tmp_path / "other.json"
     unknown.write_text(json.dumps(other))
     assert main(["plan", "--costs", str(unknown), "--devices", "4", "--microbatches", "8", "--quiet",
-                 "--activation-limit", "1f1b"]) == EXIT_INVALID_PLAN  # plan's argument errors (PlanError)
+                 "--activation-limit", "1f1b"]) == EXIT_ERROR  # an argument the table cannot take (ArgumentError)
     err = capsys.readouterr().err
     assert "--hidden-size" in err and "no activation_bytes" in err
     assert main(["plan", "--costs", str(unknown), "--hidden-size", "2880", "--devices", "4", "--microbatches", "8",
@@ -619,3 +619,59 @@ def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(
     assert (f"--data-parallel {replicas}" in line) == (replicas > 1)
     assert main(["plan", "--model", "gemma", "--data-parallel", "auto", "--devices", "4"]) == EXIT_ERROR
     assert "applies to one replica count" in capsys.readouterr().err
+
+
+# -- found by a bad-input sweep (stop 23) ---------------------------------------------------------
+
+
+def test_a_reader_that_stops_early_does_not_stop_the_plan_file(tmp_path):
+    # `plan -o FILE | head` printed the report, met the closed pipe and ended with 0 before it
+    # wrote FILE; now the rest of the output goes nowhere and the command still does its work
+    out = tmp_path / "plan.json"
+    command = (f"{sys.executable} -m octopipe.cli plan --costs {PROFILE} --devices 4 --microbatches 8 --time-limit 2 "
+               f"--quiet --no-solver -o {out} | head -1; exit ${{PIPESTATUS[0]}}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_OK, done.stderr
+    assert done.stdout.startswith("OctoPipe plan") and json.loads(out.read_text())["num_devices"] == 4
+    assert "Traceback" not in done.stderr
+
+
+def test_show_draws_every_plan_even_with_the_same_file_name(tmp_path, monkeypatch):
+    import octopipe.viz
+
+    paths = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        paths.append(str(tmp_path / folder / "plan.json"))
+        assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "1",
+                     "--quiet", "--no-solver", "-o", paths[-1]]) == EXIT_OK
+    drawn = []
+    monkeypatch.setattr(octopipe.viz, "draw_comparison", lambda results, *a, **k: drawn.append(list(results)))
+    assert main(["show", *paths, paths[0], paths[0], "-o", str(tmp_path / "t.svg")]) == EXIT_OK
+    assert drawn == [["plan", paths[1], paths[0], f"{paths[0]} (2)"]]
+
+
+def test_train_torchrun_refuses_what_every_rank_would(tmp_path, capsys):
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+                 "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
+    capsys.readouterr()
+    for extra, message in ((["--schedule", "nonsense"], "not a baseline schedule"),
+                           (["--batch-size", "3"], "not a multiple of --microbatches 4"),
+                           (["--set", "num_layers=0"], "num_layers=0 must be >= 1"),
+                           (["--plan", str(plan_path)], "its stages cover 24 layers, but --model llama has 8")):
+        assert main(["train", "--model", "llama", "--torchrun", *extra]) == EXIT_ERROR, extra
+        assert message in capsys.readouterr().err
+    # a file that is not on this machine may be on the cluster's: a note, and the line
+    assert main(["train", "--model", "llama", "--torchrun", "--init", "ckpt.pt"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "--init ckpt.pt: not on this machine" in captured.err and "--init ckpt.pt" in captured.out
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--model", "llama", "--lr", "nan"])
+    assert info.value.code == EXIT_USAGE
+
+
+def test_plan_devices_with_a_fixed_replica_count_says_what_to_give(capsys):
+    assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--devices", "4",
+                 "--quiet"]) == EXIT_ERROR
+    assert "each replica gets the cluster's devices / 2" in capsys.readouterr().err

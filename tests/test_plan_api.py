@@ -221,9 +221,9 @@ def test_bad_arguments_fail_clearly():
         octopipe.plan(costs, cluster.with_devices(2), 4, activation_limit="2f2b", quiet=True)
     # a limit on activations the table does not have would bind nothing: refused, with the fix
     bare = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)], model="bare")
-    with pytest.raises(octopipe.PlanError, match=r"of bare has no activation_bytes[\s\S]*octopipe.profiles"):
+    with pytest.raises(octopipe.ArgumentError, match=r"of bare has no activation_bytes[\s\S]*octopipe.profiles"):
         octopipe.plan(bare, cluster.with_devices(2), 4, activation_limit="1f1b", quiet=True)
-    with pytest.raises(octopipe.PlanError, match="neither activation_bytes nor param_bytes"):
+    with pytest.raises(octopipe.ArgumentError, match="neither activation_bytes nor param_bytes"):
         octopipe.plan(bare, cluster.with_devices(2), 4, memory_limit_bytes=2**30, quiet=True)
     for bad in (dict(memory_limit_bytes=0), dict(effort=float("nan")), dict(effort=-1), dict(seed=1.5)):
         with pytest.raises(octopipe.ArgumentError, match=next(iter(bad))):  # found by fuzzing: raw errors before
@@ -232,7 +232,7 @@ def test_bad_arguments_fail_clearly():
         octopipe.plan(costs, cluster.with_devices(2), True, quiet=True)
     # nothing to balance: every layer takes no time (the report's ratios would divide by 0)
     idle = CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(4)], model="idle")
-    with pytest.raises(octopipe.PlanError, match=r"of idle takes 0 ms[\s\S]*runtime_profile"):
+    with pytest.raises(octopipe.ArgumentError, match=r"of idle takes 0 ms[\s\S]*runtime_profile"):
         octopipe.plan(idle, cluster.with_devices(2), 4, quiet=True)
 
 
@@ -397,3 +397,42 @@ def test_each_replica_count_is_costed_with_its_own_gradient_accumulation():
     as_costed = CostTable([replace(layer, accumulate_ms=None, accumulate_weight_ms=None) for layer in costs])
     overcharged = simulate(eight.result.plan, as_costed, cluster.replica(8))  # not re-costed: 15/16 of it
     assert eight.step_ms < overcharged.iteration_ms  # (2-1)/2 of the addition, not 15/16
+
+
+def test_inputs_found_by_a_bad_input_sweep_fail_clearly(tmp_path):
+    # each of these was a raw Python error, or a misleading one, before stop 23
+    costs = heterogeneous(3, num_layers=6)
+    result = octopipe.plan(costs, "h100x8", 8, quiet=True, effort=0.02, solver=False, num_devices=2)
+    # simulate takes a cluster as plan does (a preset name), and says what a wrong argument is
+    assert octopipe.simulate(result.plan, costs, "h100x8").iteration_ms == pytest.approx(result.report.iteration_ms)
+    for args, message in (((str(result.plan), costs, "h100x8"), "plan must be a PipelinePlan"),
+                          ((result.plan, "costs.json", "h100x8"), "costs must be a CostTable"),
+                          ((result.plan, costs, 5), "expected a ClusterSpec")):
+        with pytest.raises(octopipe.OctopipeError, match=message):
+            octopipe.simulate(*args)
+    with pytest.raises(octopipe.ArgumentError, match="time_limit_s must be a positive number"):
+        octopipe.plan(costs, "h100x8", 8, time_limit_s="1", quiet=True, num_devices=2)
+    # an integer too large for a float, in a cost table and in a saved plan's prediction
+    with pytest.raises(octopipe.CostTableError, match="forward_ms"):
+        CostTable.from_dict({"layers": [{"forward_ms": 10**400, "backward_ms": 1.0}]})
+    path = tmp_path / "plan.json"
+    result.save(path)
+    data = json.loads(path.read_text())
+    for bad in (10**400, float("inf"), -1.0, True):
+        data["planned_with"]["iteration_ms"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(octopipe.ParseError, match="iteration_ms must be a positive number"):
+            octopipe.api.load_saved_plan(path)
+    plan_data = result.plan.to_dict()
+    plan_data["device_ops"][0][0] = 5
+    with pytest.raises(octopipe.ParseError, match="plan JSON is malformed"):
+        PipelinePlan.from_dict(plan_data)
+    # plan_data_parallel: a replica given as the whole cluster, and an argument wrong for every count
+    with pytest.raises(octopipe.ArgumentError, match="already one of 2 replicas"):
+        octopipe.plan_data_parallel(heterogeneous(3, params=2**20), ClusterSpec.preset("h100x8").replica(2), 8)
+    bare = CostTable([replace(layer, activation_bytes=None) for layer in heterogeneous(3, params=2**20)])
+    with pytest.raises(octopipe.ArgumentError, match="has no activation_bytes"):
+        octopipe.plan_data_parallel(bare, "h100x8", 8, activation_limit="1f1b", quiet=True, effort=0.02)
+    # a JSON plan file named in capitals is JSON still
+    result.save(tmp_path / "PLAN.JSON")
+    assert octopipe.api.load_saved_plan(tmp_path / "PLAN.JSON").costs == result.costs

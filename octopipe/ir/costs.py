@@ -195,6 +195,11 @@ class CostTable:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise CostTableError(f"cost table {self.model!r}: num_microbatches must be a positive integer (the "
                                  f"microbatches its gradient accumulation was costed for) or absent, got {m!r}")
+        share = _accumulating(m)
+        for index, layer in enumerate(self.layers):
+            if share and layer.accumulate_ms is not None:
+                _check_accumulation(layer, share, m, self.weight_fraction,
+                                    f"cost table {self.model!r}: layer {index} ({layer.name!r})")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -318,12 +323,18 @@ class CostTable:
             change = _accumulating(num_microbatches) - had
             layers = []
             for layer in self.layers:
-                total, weight = layer.accumulate_ms or 0.0, layer.accumulate_weight_ms or 0.0
+                if layer.accumulate_ms is None:
+                    layers.append(layer)
+                    continue
+                total, weight = layer.accumulate_ms, layer.accumulate_weight_ms or 0.0
+                # (the table was checked to hold its share: max/min only absorb rounding)
                 backward = max(0.0, layer.backward_ms + change * total)
+                stated = layer.backward_weight_ms
+                if stated is None and layer.accumulate_weight_ms is not None:
+                    stated = self.weight_fraction * layer.backward_ms  # made explicit: W's share moves apart
                 layers.append(replace(
                     layer, backward_ms=backward,
-                    backward_weight_ms=(None if layer.backward_weight_ms is None  # within B+W, rounding aside
-                                        else min(backward, max(0.0, layer.backward_weight_ms + change * weight))),
+                    backward_weight_ms=None if stated is None else min(backward, max(0.0, stated + change * weight)),
                     backward_full_ms=(None if layer.backward_full_ms is None
                                       else max(0.0, layer.backward_full_ms + change * total))))
             cached = self._derived[key] = replace(self, layers=tuple(layers), num_microbatches=num_microbatches,
@@ -471,7 +482,10 @@ class CostTable:
                                              or num_microbatches < 1):
             raise CostTableError(f"{source}: 'num_microbatches' must be a positive integer (the microbatches its "
                                  f"gradient accumulation was costed for), got {num_microbatches!r}")
-        return cls(tuple(layers), model=str(data.get("model", "")), weight_fraction=float(weight_fraction), tied=tied,
+        model = data.get("model") or ""
+        if not isinstance(model, str):
+            raise CostTableError(f"{source}: 'model' must be the model's name (a string), got {model!r}")
+        return cls(tuple(layers), model=model, weight_fraction=float(weight_fraction), tied=tied,
                    skips=skips, num_microbatches=None if num_microbatches is None else int(num_microbatches))
 
     @classmethod
@@ -500,7 +514,31 @@ class CostTable:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_accumulation(layer: LayerCost, share: float, num_microbatches: int | None, weight_fraction: float,
+                        where: str) -> None:
+    """A table costed for M microbatches carries (M-1)/M of each layer's accumulation in its
+    backward times: they cannot be less than that share (else re-costing it would go negative)."""
+    total, weight = layer.accumulate_ms or 0.0, layer.accumulate_weight_ms or 0.0
+    stated_weight = layer.backward_weight_ms if layer.backward_weight_ms is not None else (
+        weight_fraction * layer.backward_ms if layer.accumulate_weight_ms is not None else None)
+    parts = [("backward_ms", layer.backward_ms, total), ("backward_full_ms", layer.backward_full_ms, total),
+             ("backward_weight_ms", stated_weight, weight),
+             ("backward_ms - backward_weight_ms", None if stated_weight is None else layer.backward_ms - stated_weight,
+              total - weight)]
+    for name, value, part in parts:
+        if value is not None and value < share * part - 1e-9 * max(1.0, abs(value)):
+            raise CostTableError(
+                f"{where}: {name}={value:g} is less than the gradient accumulation it must include, "
+                f"{share:g} x {part:g} ms ((M-1)/M of it, num_microbatches={num_microbatches}); fix the times, "
+                "or num_microbatches (the count the table was costed for), or drop the accumulate fields")
 
 
 def _accumulating(num_microbatches: int | None) -> float:

@@ -349,7 +349,7 @@ class PipelinePlan:
             device_ops = tuple(tuple(Op.parse(op) for op in ops) for ops in data["device_ops"])
             return cls(_integer(data["num_devices"], "plan JSON num_devices"),
                        _integer(data["num_microbatches"], "plan JSON num_microbatches"), tuple(stages), device_ops)
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
             raise ParseError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); {expected}") from None
 
     @classmethod

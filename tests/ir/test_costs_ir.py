@@ -314,3 +314,22 @@ def test_a_table_re_costs_its_gradient_accumulation_for_another_microbatch_count
         CostTable.from_dict({**table.to_dict(), "num_microbatches": 2.5})
     with pytest.raises(CostTableError, match="for_microbatches needs a positive integer"):
         table.for_microbatches(0)
+
+
+def test_a_table_must_hold_the_accumulation_share_it_claims():
+    # found by a bad-input sweep: a backward smaller than (M-1)/M of its accumulation loaded, and
+    # re-costing clamped it to 0 (not reversible); W's part was ignored without backward_weight_ms
+    good = LayerCost("a", forward_ms=1.0, backward_ms=4.0, accumulate_ms=4.0, accumulate_weight_ms=2.0)
+    CostTable((good,), num_microbatches=8)  # 3.5 ms of accumulation within 4.0
+    for bad, field in ((replace(good, backward_ms=1.0), "backward_ms=1 is less"),
+                       (replace(good, backward_weight_ms=1.0), "backward_weight_ms=1 is less"),
+                       (replace(good, backward_weight_ms=3.9), "backward_ms - backward_weight_ms=0.1 is less"),
+                       (replace(good, backward_full_ms=2.0), "backward_full_ms=2 is less")):
+        with pytest.raises(CostTableError, match=field):
+            CostTable((bad,), num_microbatches=8)
+        CostTable((bad,), num_microbatches=1)  # M=1 includes none of it
+    table = CostTable((good,), num_microbatches=4)  # W (by weight_fraction) 2.0 holds 0.75 x 2.0
+    one = table.for_microbatches(1)
+    assert (one[0].backward_ms, one[0].backward_weight_ms) == pytest.approx((1.0, 0.5))  # all of W's part left W
+    back = one.for_microbatches(4)
+    assert (back[0].backward_ms, back[0].backward_weight_ms) == pytest.approx((4.0, 2.0))
