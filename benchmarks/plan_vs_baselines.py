@@ -24,8 +24,9 @@ devices and microbatches grow. Usage:
         [--devices 4,8,16] [--factors 2,4] [--no-analytic] [--analytic-models gemma,llama] [--no-growth]
         [--activation-limit 1f1b|none] [--no-recompute]
 
-(`--no-recompute`: plans never recompute activations; by default the planner may, and the summary
-says in how many cases its plan does.)
+(`--no-recompute`: plans never recompute activations; by default the planner may, fully or, on
+the analytic tables, which say what it keeps, selectively, and the summary says in how many
+cases its plan does.)
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Case:
     stages: int = 0
     recomputed: int = 0
     """Stages of our plan that recompute their activations."""
+    selective: int = 0
+    """Stages of our plan that recompute selectively (only where the table says what that keeps)."""
     error: str = ""
 
     @property
@@ -144,6 +147,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
     case.seconds, case.cut_short = report.planning_seconds, report.cut_short
     case.stages = result.plan.num_stages
     case.recomputed = sum(result.plan.recompute)
+    case.selective = sum(result.plan.selective)
     return case
 
 
@@ -208,6 +212,10 @@ def summary(cases: list[Case]) -> list[str]:
         lines.append(f"activation recomputation in our plan: {len(again)}/{len(done)} cases"
                      + (": " + ", ".join(f"{c.table} p={c.devices} m={c.microbatches} ({c.recomputed}/{c.stages} stages)"
                                          for c in again) if again else ""))
+        cheap = [c for c in done if c.selective]
+        lines.append(f"selective recomputation in our plan: {len(cheap)}/{len(done)} cases"
+                     + (": " + ", ".join(f"{c.table} p={c.devices} m={c.microbatches} ({c.selective}/{c.stages} stages)"
+                                         for c in cheap) if cheap else ""))
         cut = [c for c in done if c.cut_short]
         lines.append(f"planning time: max {max(c.seconds for c in done):.1f}s, {len(cut)} case(s) cut short by the limit")
     return lines

@@ -105,6 +105,10 @@ def plan(
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
     costed_for = costs.num_microbatches
     costs = costs.for_microbatches(num_microbatches)  # gradient accumulation as this step has it
+    if not isinstance(recompute, bool):
+        raise ArgumentError(f"plan: recompute must be True or False, got {recompute!r}")
+    if isinstance(activation_limit, bool):
+        raise ArgumentError(f"plan: activation_limit must be bytes, '1f1b' or None, got {activation_limit!r}")
     if not (isinstance(min_gain, (int, float)) and 0.0 <= min_gain < 1.0):
         raise ArgumentError(f"plan: min_gain must be a fraction in [0, 1) (0.02 = 2%), got {min_gain!r}")
     say = progress if progress is not None else (None if quiet else _stderr)

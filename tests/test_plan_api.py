@@ -410,8 +410,11 @@ def test_inputs_found_by_a_bad_input_sweep_fail_clearly(tmp_path):
                           ((result.plan, costs, 5), "expected a ClusterSpec")):
         with pytest.raises(octopipe.OctopipeError, match=message):
             octopipe.simulate(*args)
-    with pytest.raises(octopipe.ArgumentError, match="time_limit_s must be a positive number"):
-        octopipe.plan(costs, "h100x8", 8, time_limit_s="1", quiet=True, num_devices=2)
+    for bad, message in ((dict(time_limit_s="1"), "time_limit_s must be a positive number"),
+                         (dict(recompute="no"), "recompute must be True or False"),
+                         (dict(activation_limit=True), "activation_limit must be bytes")):
+        with pytest.raises(octopipe.ArgumentError, match=message):
+            octopipe.plan(costs, "h100x8", 8, quiet=True, num_devices=2, **bad)
     # an integer too large for a float, in a cost table and in a saved plan's prediction
     with pytest.raises(octopipe.CostTableError, match="forward_ms"):
         CostTable.from_dict({"layers": [{"forward_ms": 10**400, "backward_ms": 1.0}]})

@@ -495,6 +495,12 @@ class CostTable:
             text = path.read_text()
         except OSError as exc:
             raise CostTableError(f"{path}: cannot read cost table: {exc.strerror}") from None
+        if text.lstrip().startswith("costs "):  # the text form (what `octopipe dump --level costs` writes)
+            try:
+                table = cls.parse(text)
+            except ParseError as exc:
+                raise CostTableError(f"{path}: {exc}") from None
+            return table if table.model else replace(table, model=path.stem, _derived={})
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
@@ -539,6 +545,17 @@ def _check_accumulation(layer: LayerCost, share: float, num_microbatches: int | 
                 f"{where}: {name}={value:g} is less than the gradient accumulation it must include, "
                 f"{share:g} x {part:g} ms ((M-1)/M of it, num_microbatches={num_microbatches}); fix the times, "
                 "or num_microbatches (the count the table was costed for), or drop the accumulate fields")
+
+
+def _yaml_hint(value: object) -> str:
+    """YAML 1.1 (PyYAML) reads 1e-3 as a string: say how to write it."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (YAML reads a number like 1e-3 as text: write 1.0e-3)"
+    return ""
 
 
 def _accumulating(num_microbatches: int | None) -> float:
@@ -650,7 +667,7 @@ def _check_layer(layer: LayerCost, where: str) -> None:
             continue
         if not _is_number(value) or not 0 <= value <= MAX_LAYER_MS:
             raise CostTableError(f"{where}: field {key!r} must be a number of milliseconds in [0, {MAX_LAYER_MS:.0e}] "
-                                 f"(per layer and microbatch), got {value!r}")
+                                 f"(per layer and microbatch), got {value!r}{_yaml_hint(value)}")
     if (layer.accumulate_weight_ms or 0.0) > (layer.accumulate_ms or 0.0):
         raise CostTableError(f"{where}: accumulate_weight_ms={layer.accumulate_weight_ms} exceeds accumulate_ms="
                              f"{layer.accumulate_ms}; it is W's part of the accumulation, so it must be part of it")

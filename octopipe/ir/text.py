@@ -100,6 +100,8 @@ class FieldReader:
 
     def _convert(self, key: str, raw: str, kind: type, what: str):
         try:
+            if not raw.isascii() or "_" in raw:  # Python's int/float also read 1_0 and non-ASCII digits
+                raise ValueError(raw)
             return kind(raw)
         except ValueError:
             raise ParseError(f"{self.where}: field {key!r} must be {what}, got {raw!r}") from None

@@ -333,3 +333,28 @@ def test_a_table_must_hold_the_accumulation_share_it_claims():
     assert (one[0].backward_ms, one[0].backward_weight_ms) == pytest.approx((1.0, 0.5))  # all of W's part left W
     back = one.for_microbatches(4)
     assert (back[0].backward_ms, back[0].backward_weight_ms) == pytest.approx((4.0, 2.0))
+
+
+def test_load_reads_the_text_form_too(tmp_path):
+    # what `octopipe dump --level costs` writes; `--costs` said "not valid JSON" before
+    table = small_table()
+    path = tmp_path / "02_costs.txt"
+    path.write_text(str(table))
+    assert CostTable.load(path) == table
+    path.write_text(str(table).replace("forward_ms=0.4", "forward_ms=oops"))
+    with pytest.raises(CostTableError, match="02_costs.txt"):
+        CostTable.load(path)
+
+
+def test_text_numbers_are_plain_ascii_numbers():
+    text = str(small_table())
+    for bad in ("forward_ms=0_4", "forward_ms=\uff10.4"):
+        with pytest.raises(ParseError, match="'forward_ms' must be a number"):
+            CostTable.parse(text.replace("forward_ms=0.4", bad))
+
+
+def test_a_yaml_number_read_as_text_gets_the_spelling_that_works(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("layers:\n- forward_ms: 1e-3\n  backward_ms: 2.0\n")
+    with pytest.raises(CostTableError, match="write 1.0e-3"):
+        CostTable.load(path)
