@@ -78,10 +78,11 @@ class Stage:
     the forward again first (B costs one more F; between F and B the stage holds those instead of
     its activations)."""
     selective: bool = False
-    """Selective recomputation (Megatron's): F keeps the outputs of the compute-heavy ops (matmuls,
-    attention, convolutions) and B recomputes the cheap ones (norms, activations, elementwise,
-    embedding lookups) from them first (`LayerCost.selective_activation_bytes` held,
-    `selective_recompute_ms` more B). Not with `recompute`."""
+    """Selective recomputation (op-level selective activation checkpointing): F keeps the
+    outputs of the compute-heavy ops (matmuls, attention, convolutions) and B recomputes the
+    cheap ones (norms, activations, elementwise, embedding lookups) from them first
+    (`LayerCost.selective_activation_bytes` held, `selective_recompute_ms` more B). Not with
+    `recompute`."""
 
     def __post_init__(self) -> None:
         if self.recompute and self.selective:
