@@ -48,12 +48,13 @@ class PlanResult:
     def __str__(self) -> str:
         return str(self.report)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, microbatch_size: int | None = None) -> None:
         """The plan as JSON (.json), with the cost table, cluster and predicted iteration time it
-        was planned on, so `load_saved_plan` (and `octopipe simulate`, `show`) need nothing else;
-        any other suffix: the plan's text form alone."""
+        was planned on, so `load_saved_plan` (and `octopipe simulate`, `show`) need nothing else
+        (`microbatch_size`: the samples per microbatch the costs are of, where planned from a
+        model); any other suffix: the plan's text form alone."""
         save_plan(self.plan, path, costs=self.costs, cluster=self.simulation.cluster,
-                  iteration_ms=self.simulation.iteration_ms)
+                  iteration_ms=self.simulation.iteration_ms, microbatch_size=microbatch_size)
 
 
 def plan(
@@ -563,10 +564,13 @@ class SavedPlan:
     cluster: ClusterSpec | None = None
     iteration_ms: float | None = None
     """The iteration time the planner predicted for it on those costs and that cluster."""
+    microbatch_size: int | None = None
+    """Samples per microbatch of the batch the costs were measured on (planned from a model)."""
 
 
 def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None = None,
-              cluster: ClusterSpec | None = None, iteration_ms: float | None = None) -> None:
+              cluster: ClusterSpec | None = None, iteration_ms: float | None = None,
+              microbatch_size: int | None = None) -> None:
     """Write `plan_` to `path`: JSON for .json, with whichever of `costs`, `cluster` and
     `iteration_ms` are given under PLANNED_WITH (`PipelinePlan.from_json`, `load_plan` and
     `compile(plan=path)` read the plan and skip them); the text form for any other suffix."""
@@ -582,6 +586,8 @@ def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None 
         context["costs"] = costs.to_dict()
     if iteration_ms is not None:
         context["iteration_ms"] = iteration_ms
+    if microbatch_size is not None:
+        context["microbatch_size"] = microbatch_size
     if context:
         data[PLANNED_WITH] = context
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -597,9 +603,13 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     context = json.loads(text).get(PLANNED_WITH)
     if context is None:
         return SavedPlan(plan_)
-    if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms"}:
-        raise ParseError(f"{path}: '{PLANNED_WITH}' must be an object with cluster, costs, iteration_ms; got "
-                         f"{context!r:.200}")
+    if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms", "microbatch_size"}:
+        raise ParseError(f"{path}: '{PLANNED_WITH}' must be an object with cluster, costs, iteration_ms, "
+                         f"microbatch_size; got {context!r:.200}")
+    microbatch_size = context.get("microbatch_size")
+    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
+                                        or microbatch_size < 1):
+        raise ParseError(f"{path}: {PLANNED_WITH}.microbatch_size must be a positive integer, got {microbatch_size!r:.60}")
     costs = CostTable.from_dict(context["costs"], source=f"{path} ({PLANNED_WITH}.costs)") if "costs" in context else None
     cluster = (ClusterSpec.from_dict(context["cluster"], where=f"{path} ({PLANNED_WITH}.cluster)")
                if "cluster" in context else None)
@@ -613,7 +623,7 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     if costs is not None and len(costs) != plan_.num_layers:
         raise ParseError(f"{path}: the plan covers {plan_.num_layers} layers but its {PLANNED_WITH}.costs has "
                          f"{len(costs)}; the file was edited by hand? Save it again with octopipe plan -o")
-    return SavedPlan(plan_, costs, cluster, float(iteration_ms) if iteration_ms is not None else None)
+    return SavedPlan(plan_, costs, cluster, float(iteration_ms) if iteration_ms is not None else None, microbatch_size)
 
 
 def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:

@@ -376,6 +376,7 @@ def _costs_from(args: argparse.Namespace, cluster):
         model, inputs, target = _on_profiling_device(model, inputs, target)
     graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
     micro = microbatch(inputs, args.microbatches)
+    args.microbatch_size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "shape") and micro[0].dim() else None
     if args.profile:
         from octopipe.passes.profile import profile_costs
 
@@ -499,7 +500,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         path = Path(args.output)
         try:
-            result.save(path)
+            result.save(path, microbatch_size=getattr(args, "microbatch_size", None))
         except OSError as exc:
             raise _write_error(args.output, exc) from None
         kept = " with the cost table and cluster it was planned on" if path.suffix.lower() == ".json" else ""
@@ -532,6 +533,18 @@ def _save_runners_up(result: Any, path: Path) -> None:
               f"{list(runner_up.placement)}, predicted {iteration_ms:.1f} ms)")
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal, numbers to rounding (a table re-costed for another microbatch count and back)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9,
+                                                                                             abs_tol=1e-12)
+    return a == b
+
+
 def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
     """(plan, costs, cluster, the planner's predicted ms or None) for a plan file: the costs and
     cluster given on the command line, else those saved in the file (`octopipe plan -o x.json`),
@@ -551,7 +564,10 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
     # a --model's costs are for one microbatch of this plan's count
     args = argparse.Namespace(**vars(args))
     args.microbatches = plan_.num_microbatches
-    args.batch_size = args.batch_size or _default_batch_size(plan_.num_microbatches)
+    # the batch the plan was costed on: its microbatches of the size saved with it (one replica's
+    # share where --data-parallel auto cut a whole batch), else the default batch
+    planned_batch = saved.microbatch_size * plan_.num_microbatches if saved.microbatch_size else None
+    args.batch_size = args.batch_size or planned_batch or _default_batch_size(plan_.num_microbatches)
     if args.cluster is None and saved.cluster is not None:
         cluster = saved.cluster.with_devices(args.devices) if args.devices else saved.cluster
     else:
@@ -570,8 +586,8 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         if key not in given:
             given[key] = _costs_from(args, cluster)[0]
         costs = given[key]
-        if saved.costs is not None and (costs.for_microbatches(plan_.num_microbatches)
-                                        != saved.costs.for_microbatches(plan_.num_microbatches)):
+        if saved.costs is not None and not _same(costs.for_microbatches(plan_.num_microbatches).to_dict(),
+                                                 saved.costs.for_microbatches(plan_.num_microbatches).to_dict()):
             print(f"note: {path} was planned on other costs ({saved.costs.model or 'a saved table'}); simulating it "
                   "on the ones given", file=sys.stderr)
     elif saved.costs is not None:

@@ -595,11 +595,20 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
     assert saved["num_devices"] == 8 and saved["planned_with"]["cluster"]["data_parallel"] == 2
     assert main(["simulate", str(plan_path)]) == EXIT_OK
     assert "planned: " in capsys.readouterr().out
-    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--data-parallel", "2", "--torchrun"]) == EXIT_OK
-    assert capsys.readouterr().out.startswith("torchrun --nnodes 2 --nproc-per-node 8")
-    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--nprocs", "8", "--data-parallel", "2",
-                 "--torchrun"]) == EXIT_ERROR
-    assert "runs on 8 devices x 2 replicas" in capsys.readouterr().err
+    # the profile's layers are not llama's: refused before a cluster's worth of ranks would be
+    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--data-parallel", "2", "--torchrun"]) == EXIT_ERROR
+    assert "but --model llama has 8" in capsys.readouterr().err
+    llama_plan = tmp_path / "llama.json"
+    assert main(["plan", "--model", "llama", "--cluster", "h100x16", "--data-parallel", "2", "--microbatches", "8",
+                 "--time-limit", "2", "--quiet", "--no-solver", "-o", str(llama_plan)]) == EXIT_OK
+    devices = json.loads(llama_plan.read_text())["num_devices"]
+    capsys.readouterr()
+    assert main(["train", "--model", "llama", "--plan", str(llama_plan), "--data-parallel", "2", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.startswith(f"torchrun --nnodes {-(-2 * devices // 8)} --nproc-per-node "
+                                              f"{min(8, 2 * devices)}")
+    assert main(["train", "--model", "llama", "--plan", str(llama_plan), "--nprocs", str(devices), "--data-parallel",
+                 "2", "--torchrun"]) == EXIT_ERROR
+    assert f"runs on {devices} devices x 2 replicas" in capsys.readouterr().err
 
 
 def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(tmp_path, capsys):
@@ -675,3 +684,20 @@ def test_plan_devices_with_a_fixed_replica_count_says_what_to_give(capsys):
     assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--devices", "4",
                  "--quiet"]) == EXIT_ERROR
     assert "each replica gets the cluster's devices / 2" in capsys.readouterr().err
+
+
+def test_simulate_with_the_model_prices_a_data_parallel_plan_as_it_was_planned(tmp_path, capsys):
+    # --data-parallel auto cuts the whole batch's microbatches among the replicas: the plan file
+    # keeps the microbatch size, so costing the model again gives the planner's costs (it priced
+    # 4x larger microbatches, and said the plan was made on other costs, before)
+    path = tmp_path / "dp.json"
+    assert main(["plan", "--model", "gemma", "--data-parallel", "auto", "--cluster", "cpux4", "--microbatches", "4",
+                 "--time-limit", "4", "--quiet", "-o", str(path)]) == EXIT_OK
+    assert json.loads(path.read_text())["planned_with"]["microbatch_size"] == 2
+    capsys.readouterr()
+    assert main(["simulate", str(path)]) == EXIT_OK
+    saved = capsys.readouterr().out
+    assert main(["simulate", str(path), "--model", "gemma"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "other costs" not in captured.err
+    assert saved.splitlines()[0] == captured.out.splitlines()[0]  # the same iteration time

@@ -165,8 +165,10 @@ def test_calibrated_cpu_cluster_has_a_measured_link_and_op_overhead():
     from octopipe.bench import _pingpong_worker, calibrate_cpu_cluster
     from octopipe.runtime import launch
 
-    small, large = launch(_pingpong_worker, 2, args=((4, 2**20), 5, 2))[0]
-    assert 0 < small < large  # one-way times: the 1 MiB message takes longer
+    small, large = launch(_pingpong_worker, 2, args=((4, 2**24), 5, 2))[0]
+    # one-way times: the 16 MiB message takes longer (~5 ms here; 1 MiB, ~0.4 ms, once measured
+    # under a 1.5 ms hiccup of the 4-byte one while the machine was busy)
+    assert 0 < small < large
     cluster = calibrate_cpu_cluster(2)
     assert cluster.num_devices == 2 and cluster.backend == "gloo"
     assert 0 < cluster.latency_s < 0.05 and cluster.intra_node_bandwidth > 1e7
