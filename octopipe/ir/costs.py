@@ -479,7 +479,7 @@ class CostTable:
         skips = tuple(_skip_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_skips))
         num_microbatches = data.get("num_microbatches")
         if num_microbatches is not None and (not _is_number(num_microbatches) or not float(num_microbatches).is_integer()
-                                             or num_microbatches < 1):
+                                             or not 1 <= num_microbatches <= 2**31):
             raise CostTableError(f"{source}: 'num_microbatches' must be a positive integer (the microbatches its "
                                  f"gradient accumulation was costed for), got {num_microbatches!r}")
         model = data.get("model") or ""
