@@ -37,10 +37,11 @@ scheduler. The tuner
 
 Where memory binds the fastest baseline, the baselines with every stage recomputing its
 activations (as their users would run them; and, where the costs say what selective
-recomputation keeps and costs, with every stage recomputing selectively) are starts too; where one of those beats every start
-that fits without it, recomputation is worth the search's work: those structures list-scheduled
-with every stage recomputing, the best screened structures so where memory binds them, and the
-recomputation moves of step 3 (otherwise only moves that turn it off). The search without
+recomputation keeps and costs, with every stage recomputing selectively) are starts too; where
+one of those beats every start that fits without it, recomputation is worth the search's work
+(else those starts and their work are dropped, and the rest is the search without it): those
+structures list-scheduled with every stage recomputing, the best screened structures so where
+memory binds them, and the recomputation moves of step 3 (otherwise only moves that turn it off). The search without
 recomputation then runs too, exactly as `recompute=False` runs it (its own budget, in the time
 left), and the faster plan wins: allowing recomputation never returns a slower plan than
 forbidding it. A recomputing stage's B takes one more F, and between F and B the stage holds
@@ -134,8 +135,8 @@ class Structure:
 
     @classmethod
     def of(cls, plan: PipelinePlan) -> Structure:
-        return cls(plan.boundaries, plan.placement, plan.num_devices).with_selective(plan.selective).with_recompute(
-            plan.recompute)
+        structure = cls(plan.boundaries, plan.placement, plan.num_devices)
+        return structure.with_selective(plan.selective).with_recompute(plan.recompute)
 
 
 @dataclass(frozen=True, slots=True)
