@@ -761,6 +761,12 @@ def compile(
         if chosen.num_microbatches != num_microbatches:
             raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
                                 f"{num_microbatches}; plan again or pass the matching count")
+        if chosen.num_layers != len(graph.layers):
+            where = f"plan {plan}" if isinstance(plan, (str, Path)) else "the plan"
+            named = f" {graph.model}" if graph.model else ""
+            raise PlanError(f"compile: {where} covers {chosen.num_layers} layers but the traced model{named} has "
+                            f"{len(graph.layers)}; plan this model (octopipe.plan, "
+                            "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:
             raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has "

@@ -586,6 +586,10 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         if key not in given:
             given[key] = _costs_from(args, cluster)[0]
         costs = given[key]
+        if len(costs) != plan_.num_layers:
+            source = f"--model {args.model}" if args.model else f"--costs {args.costs}"
+            raise OctopipeError(f"{path}: its stages cover {plan_.num_layers} layers, but {source} has {len(costs)}; "
+                                "give the costs of the model it was planned for, or plan this one")
         if saved.costs is not None and not _same(costs.for_microbatches(plan_.num_microbatches).to_dict(),
                                                  saved.costs.for_microbatches(plan_.num_microbatches).to_dict()):
             print(f"note: {path} was planned on other costs ({saved.costs.model or 'a saved table'}); simulating it "

@@ -701,3 +701,14 @@ def test_simulate_with_the_model_prices_a_data_parallel_plan_as_it_was_planned(t
     captured = capsys.readouterr()
     assert "other costs" not in captured.err
     assert saved.splitlines()[0] == captured.out.splitlines()[0]  # the same iteration time
+
+
+def test_a_plan_for_another_model_names_the_plan_and_the_model(tmp_path, capsys):
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+                 "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["simulate", str(plan_path), "--model", "llama"]) == EXIT_ERROR
+    assert f"{plan_path}: its stages cover 24 layers, but --model llama has 8" in capsys.readouterr().err
+    assert main(["dump", "--model", "llama", "--plan", str(plan_path)]) == EXIT_INVALID_PLAN
+    assert f"plan {plan_path} covers 24 layers but the traced model LlamaModel has 8" in capsys.readouterr().err

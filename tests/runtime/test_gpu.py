@@ -1,6 +1,6 @@
-"""The exactness checks on GPUs: one GPU (every stage in one process, Triton kernels from
-torch.compile, bf16 autocast, the engine's default device under NCCL), and two or four with NCCL
-and the communication stream. Skipped where the machine has too few GPUs."""
+"""The exactness checks on GPUs: one GPU (every stage in one process, selective recomputation,
+Triton kernels from torch.compile, bf16 autocast, the engine's default device under NCCL), and
+two or four with NCCL and the communication stream. Skipped where the machine has too few GPUs."""
 
 import pytest
 import torch
@@ -43,6 +43,23 @@ def test_one_gpu_pipeline_matches_single_gpu_training(name):
     assert loss == pytest.approx(reference_loss, rel=1e-4)
     assert all(p.device.type == "cuda" for _, p in engine.named_parameters())
     assert_grads_close({n: p.grad.cpu() for n, p in engine.named_parameters()}, reference_grads, name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gemma", "nemotron-h"])
+def test_selective_stages_on_one_gpu_match_the_plan_without_them(name):
+    # the selective checkpoint on CUDA (its policy over the flash/efficient attention kernels,
+    # the GPU's random state): the same loss and gradients as the same plan without it
+    results = []
+    for selective in ((True, False, True, True), (False,) * 4):
+        def plan(graph, *args, selective=selective):
+            return _one_device_plan(4, 4)(graph, *args).with_recompute([False] * 4, selective)
+        case = make_case(name, plan, 1, 4)
+        engine = case.engine(0, device=torch.device("cuda"))
+        results.append((engine.step(case.inputs, case.target), {n: p.grad.cpu() for n, p in engine.named_parameters()}))
+    (loss, grads), (plain_loss, plain_grads) = results
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert_grads_close(grads, plain_grads, f"{name} selective")
 
 
 @pytest.mark.timeout(300)
