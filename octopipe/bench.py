@@ -347,13 +347,18 @@ class RuntimeProbe:
             values = merged.get((kind, stage))
             return max(0.0, statistics.fmean(values) - op_overhead_ms) if values else 0.0
 
-        costs = self.sizes.replace_layers(
+        # times measured inside real steps already hold what accumulating the gradients took (and
+        # the probe never ran a selective stage): the quick profile's estimates of those go, so
+        # nothing re-costs or prices them on top
+        costs = replace(self.sizes.replace_layers(
             replace(layer, forward_ms=time_of("forward", i),
                     backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
                     backward_weight_ms=time_of("backward_weight", i),
-                    backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None)
+                    backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None,
+                    accumulate_ms=None, accumulate_weight_ms=None,
+                    selective_activation_bytes=None, selective_recompute_ms=None)
             for i, layer in enumerate(self.sizes.layers)
-        )
+        ), num_microbatches=None)
         messages = {key[1:]: values for key, values in merged.items() if key[0] == MESSAGE}
         if not messages:
             return RuntimeProfile(costs, None)

@@ -32,6 +32,10 @@ def test_runtime_profile_times_every_layer_and_a_message_the_runtime_way():
     loss = costs.layers[-1]
     assert all(loss.backward_weight_ms < 0.2 * layer.backward_weight_ms for layer in blocks)
     assert all(layer.activation_bytes > 0 for layer in blocks)  # bytes come from profile_costs
+    # the steps' times hold the gradient accumulation they did: nothing is re-costed on top (a
+    # plan for 4 microbatches charged 3/4 of profile_costs' estimate again before)
+    assert costs.num_microbatches is None and not costs.accumulates and not costs.has_selective_info
+    assert costs.for_microbatches(4) is costs
 
 
 def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the_bytes():
