@@ -808,6 +808,9 @@ def _train_distributed(args: argparse.Namespace) -> int:
             optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             print(f"step {step}: loss {loss:.5f}  {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+    # every rank done before any tears its group down (a rank of a 2-process torchrun run was seen
+    # to abort at exit, twice in many runs, cause not found)
+    dist.barrier()
     dist.destroy_process_group()
     return EXIT_OK
 
