@@ -1123,15 +1123,14 @@ def _layer_works(
                 if path == key and _is_quadratic(node, structure):
                     continue  # replaced by the chunked SSD cost below
             moe = _moe_spec(module) if module is not None else None
+            factor = Fraction(1)
             if moe is not None and _touches_experts(node, structure, moe[0]):
                 factor = Fraction(moe[1], moe[0])
                 weights = sum((pricer.nbytes(n) for n in node.all_input_nodes if pricer.is_param(n)), Poly())
                 work = work.scaled(factor, weights)
                 keep = {k: v * factor for k, v in keep.items()}
-                if heavy and pricer.grad(node):
-                    kept = kept + pricer.nbytes(node) * factor
-            elif heavy and pricer.grad(node):
-                kept = kept + pricer.nbytes(node)
+            if heavy and pricer.grad(node):
+                kept = kept + pricer.nbytes(node) * factor
             if not heavy:
                 recomputed.add(node.name)
             ops.append(work)
@@ -1290,7 +1289,8 @@ def analytic_costs(
     modules: Mapping[str, nn.Module] = graph.module.meta.get("octopipe.modules", {})
     layers = []
     for layer, work in zip(graph.layers, works):
-        forward = sum(op_ms(op.forward_flops, op.forward_bytes) for op in work.ops)
+        forwards = [op_ms(op.forward_flops, op.forward_bytes) for op in work.ops]
+        forward = sum(forwards)
         backward_input = sum(op_ms(op.backward_input_flops, op.backward_input_bytes) for op in work.ops)
         backward_weight = sum(op_ms(op.backward_weight_flops, op.backward_weight_bytes) for op in work.ops)
         grad_bytes, linear_bytes = _gradient_bytes(layer, params, modules)
@@ -1310,8 +1310,7 @@ def analytic_costs(
                 accumulate_weight_ms=accumulate_weight_ms,
                 activation_bytes=_to_bytes(work.total("activation_bytes").evaluate(batch_size, seq)),
                 selective_activation_bytes=_to_bytes(work.kept_bytes.evaluate(batch_size, seq)),
-                selective_recompute_ms=sum(op_ms(op.forward_flops, op.forward_bytes) for op in work.ops
-                                           if op.node in work.recomputed),
+                selective_recompute_ms=sum(ms for op, ms in zip(work.ops, forwards) if op.node in work.recomputed),
                 output_bytes=_to_bytes(work.output_bytes.evaluate(batch_size, seq)),
                 param_bytes=layer.num_params * dtype_bytes,
                 formulas=formulas,
