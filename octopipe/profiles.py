@@ -17,6 +17,17 @@ microbatch of one sequence in bf16:
                     The embedding and head merged into the first and last layer add nothing (the
                     head's logits are not counted).
   param_bytes       left out (None): the profiles do not say.
+  selective_activation_bytes, selective_recompute_ms
+                    what a stage under selective recomputation keeps (its matmul, attention and
+                    convolution outputs) and the time of recomputing the rest in B, as fractions of
+                    the layer's activation bytes and of its kind's median forward time. The
+                    fractions (`SELECTIVE_FRACTIONS`) are those the analytic cost pass gives the
+                    matching reference model's paper config at 4096 tokens, per layer kind:
+                    gpt-13B from llama (LLaMA-2-13B), deepseek-16B from deepseek, nemotron-nano
+                    from nemotron-h, and gpt-oss-20B (no reference model) from deepseek's MoE
+                    blocks. Estimates, not measurements: the profiles time no selective run.
+                    Models without fractions keep none, and the planner then offers no
+                    selective stages for them.
 
 The hidden size comes from `HIDDEN_SIZE` for the four published models (their published
 configurations), or from the caller. Without one the table keeps no bytes, and memory limits
@@ -36,6 +47,15 @@ from typing import Any
 from octopipe.errors import CostTableError
 from octopipe.ir.costs import CostTable
 
+SELECTIVE_FRACTIONS: dict[str, dict[str, tuple[float, float]]] = {
+    "gpt-13B": {"T": (0.479, 0.089)},
+    "deepseek-16B": {"D": (0.485, 0.157), "M": (0.437, 0.181)},
+    "gpt-oss-20B": {"S": (0.437, 0.181), "F": (0.437, 0.181)},
+    "nemotron-nano-v2-9B": {"M": (0.439, 0.188), "-": (0.360, 0.082), "*": (0.485, 0.063)},
+}
+"""Per model and layer kind: (kept bytes / activation bytes, recompute ms / forward ms) under
+selective recomputation, from the analytic pass (see the module doc; a test recomputes them)."""
+
 HIDDEN_SIZE = {"gpt-13B": 5120, "deepseek-16B": 2048, "gpt-oss-20B": 2880, "nemotron-nano-v2-9B": 4480}
 """Hidden sizes of the profiled models (gpt-13B, DeepSeekMoE 16B, gpt-oss-20B, Nemotron-Nano-v2-9B)."""
 
@@ -50,9 +70,11 @@ def is_profile(data: Any) -> bool:
     return isinstance(data, dict) and "seq_len" in data and "kind_legend" in data and "layers" in data
 
 
-def load_profile(path: str | Path, hidden_size: int | None = None) -> CostTable:
+def load_profile(path: str | Path, hidden_size: int | None = None, *, selective: bool = True) -> CostTable:
     """The profile at `path` with output and activation bytes filled (see the module doc).
-    `hidden_size` defaults to the model's entry in `HIDDEN_SIZE`; a model not there needs it."""
+    `hidden_size` defaults to the model's entry in `HIDDEN_SIZE`; a model not there needs it.
+    `selective`: also fill the selective-recomputation estimates, where `SELECTIVE_FRACTIONS`
+    has the model."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -71,7 +93,9 @@ def load_profile(path: str | Path, hidden_size: int | None = None) -> CostTable:
                              "pass hidden_size (CLI: --hidden-size) to fill activation and message bytes")
     if not (isinstance(hidden, int) and hidden > 0):
         raise CostTableError(f"{path}: hidden_size must be a positive integer, got {hidden!r}")
-    return fill_bytes(costs, int(raw["seq_len"]), hidden, raw.get("kind_legend", {}), where=str(path))
+    costs = fill_bytes(costs, int(raw["seq_len"]), hidden, raw.get("kind_legend", {}), where=str(path))
+    fractions = SELECTIVE_FRACTIONS.get(model) if selective else None
+    return fill_selective(costs, fractions, where=str(path)) if fractions else costs
 
 
 def fill_bytes(costs: CostTable, seq_len: int, hidden_size: int, kind_legend: dict[str, str], *,
@@ -102,4 +126,30 @@ def fill_bytes(costs: CostTable, seq_len: int, hidden_size: int, kind_legend: di
                 output_bytes=seq_len * hidden_size * BYTES_PER_ELEMENT)
         for layer in costs
     ]
+    return costs.replace_layers(layers)
+
+
+def fill_selective(costs: CostTable, fractions: dict[str, tuple[float, float]], *,
+                   where: str = "profile") -> CostTable:
+    """`costs` (activation bytes filled) with selective-recomputation estimates: per layer, its
+    kind's kept fraction of its activation bytes, and its kind's recompute fraction of the median
+    forward time of the layers of that kind that have no embedding or head merged in (the
+    profiles count nothing of those, so neither do the estimates)."""
+    base = {layer.kind.split("+")[0] for layer in costs}
+    missing = sorted(base - set(fractions))
+    if missing:
+        raise CostTableError(f"{where}: no selective-recomputation fractions for layer kinds {missing}; "
+                             "load it with selective=False")
+    median = {}
+    for kind in base:
+        times = [layer.forward_ms for layer in costs if layer.kind == kind]
+        if not times:
+            times = [layer.forward_ms for layer in costs if layer.kind.split("+")[0] == kind]
+        median[kind] = statistics.median(times)
+    layers = []
+    for layer in costs:
+        kind = layer.kind.split("+")[0]
+        kept, recompute = fractions[kind]
+        layers.append(replace(layer, selective_activation_bytes=round(kept * (layer.activation_bytes or 0)),
+                              selective_recompute_ms=round(recompute * median[kind], 4)))
     return costs.replace_layers(layers)

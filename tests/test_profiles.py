@@ -45,3 +45,56 @@ def test_a_cost_table_is_not_a_profile(tmp_path):
     path.write_text(json.dumps({"layers": [{"name": "l0", "forward_ms": 1, "backward_ms": 2}]}))
     with pytest.raises(CostTableError, match="not a profile"):
         profiles.load_profile(path)
+
+
+def test_selective_estimates_scale_each_kind_by_its_fractions():
+    path = DATA / "deepseek-16B-seq4096.json"
+    costs = profiles.load_profile(path)
+    assert costs.has_selective_info
+    for layer in costs:
+        kept, recompute = profiles.SELECTIVE_FRACTIONS["deepseek-16B"][layer.kind.split("+")[0]]
+        assert layer.selective_activation_bytes == round(kept * layer.activation_bytes)
+        assert 0 < layer.selective_recompute_ms < layer.forward_ms
+    merged, plain = costs.layers[0], costs.layers[1]  # D+E and D: the embedding adds no recompute
+    assert merged.selective_recompute_ms == plain.selective_recompute_ms
+    assert not profiles.load_profile(path, selective=False).has_selective_info
+
+
+def test_a_model_without_fractions_keeps_no_selective_estimates(tmp_path):
+    raw = json.loads((DATA / "gpt-oss-20B-seq2048.json").read_text())
+    raw["model"] = "mystery-3B"
+    path = tmp_path / "mystery.json"
+    path.write_text(json.dumps(raw))
+    assert not profiles.load_profile(path, hidden_size=1024).has_selective_info
+    costs = profiles.load_profile(DATA / "gpt-oss-20B-seq2048.json")
+    with pytest.raises(CostTableError, match=r"kinds \['S'\]"):
+        profiles.fill_selective(costs, {"F": (0.5, 0.1)})
+
+
+@pytest.mark.parametrize("model, family, kinds", [
+    ("gpt-13B", "llama", {"T": None}),
+    ("deepseek-16B", "deepseek", {"D": "dense", "M": "moe"}),
+    ("nemotron-nano-v2-9B", "nemotron-h", {"M": "M", "-": "-", "*": "*"}),
+])
+def test_selective_fractions_are_the_analytic_passes(model, family, kinds):
+    from octopipe import models
+    from octopipe.cluster import ClusterSpec
+    from octopipe.passes.costs import analytic_costs, paper_graph
+
+    config = models.config(family, "paper")
+    costs = analytic_costs(paper_graph(family), ClusterSpec.preset("h100x16", num_devices=8), batch_size=1,
+                           seq_len=4096)
+    blocks = [layer for layer in costs if layer.kind == "block"]
+    pattern = getattr(config, "layer_pattern", None)
+    for kind, which in kinds.items():
+        if which is None:
+            layer = blocks[0]
+        elif which in ("dense", "moe"):
+            layer = blocks[0] if which == "dense" else blocks[config.num_dense_layers]
+        else:
+            layer = blocks[pattern.index(which)]
+        kept, recompute = profiles.SELECTIVE_FRACTIONS[model][kind]
+        assert layer.selective_activation_bytes / layer.activation_bytes == pytest.approx(kept, abs=6e-4)
+        assert layer.selective_recompute_ms / layer.forward_ms == pytest.approx(recompute, abs=6e-4)
+    if model == "deepseek-16B":  # gpt-oss-20B borrows the MoE block's
+        assert set(profiles.SELECTIVE_FRACTIONS["gpt-oss-20B"].values()) == {profiles.SELECTIVE_FRACTIONS[model]["M"]}
