@@ -769,9 +769,12 @@ def compile(
                             "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:
-            raise PlanError(f"compile: the plan uses {chosen.num_devices} devices, the cluster has "
-                            f"{cluster.num_devices}" + (f" per replica ({full_cluster.num_devices} in all, "
-                                                        f"{data_parallel} replicas)" if data_parallel > 1 else ""))
+            where = f"plan {plan}" if isinstance(plan, (str, Path)) else "the plan"
+            per = (f" per replica ({full_cluster.num_devices} in all, {data_parallel} replicas)"
+                   if data_parallel > 1 else "")
+            raise ArgumentError(f"compile: {where} uses {chosen.num_devices} devices, the cluster {cluster.name} has "
+                                f"{cluster.num_devices}{per}; give a cluster with {chosen.num_devices} devices (CLI: "
+                                "--cluster, --devices) or plan for this one")
         simulation = timed("simulate", lambda: simulate(chosen, table, cluster, validated=True))  # checked above
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,

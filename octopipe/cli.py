@@ -545,6 +545,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _other_microbatches(given: int, path: str, planned: int):
+    """The error for --microbatches that differs from a plan file's own count."""
+    from octopipe.errors import OctopipeError
+
+    return OctopipeError(f"--microbatches {given}: {path} runs {planned} microbatches; a plan's microbatch count is "
+                         "its own (drop the option, or plan again)")
+
+
+def _other_layers(where: str, planned: int, source: str, layers: int, fix: str):
+    """The error for a plan file whose stages cover another layer count than the model or costs."""
+    from octopipe.errors import OctopipeError
+
+    return OctopipeError(f"{where}: its stages cover {planned} layers, but {source} has {layers}; {fix}")
+
+
 def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
     """(plan, costs, cluster, the planner's predicted ms or None) for a plan file: the costs and
     cluster given on the command line, else those saved in the file (`octopipe plan -o x.json`),
@@ -557,8 +572,7 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
     plan_ = saved.plan
     plan_.validate()  # (against the costs' layers in simulate)
     if args.microbatches is not None and args.microbatches != plan_.num_microbatches:
-        raise OctopipeError(f"--microbatches {args.microbatches}: {path} runs {plan_.num_microbatches} microbatches; "
-                            "a plan's microbatch count is its own (drop the option, or plan again)")
+        raise _other_microbatches(args.microbatches, path, plan_.num_microbatches)
     if args.devices is not None and args.devices != plan_.num_devices:
         raise OctopipeError(f"--devices {args.devices}: {path} runs on {plan_.num_devices} devices (drop the option)")
     # a --model's costs are for one microbatch of this plan's count
@@ -584,11 +598,17 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         given = {} if given is None else given
         key = (cluster, args.microbatches) if args.model else None
         if key not in given:
-            given[key] = _costs_from(args, cluster)[0]
-        costs = given[key]
+            args.microbatch_size = None
+            given[key] = _costs_from(args, cluster)[0], args.microbatch_size
+        costs, priced_size = given[key]
+        if saved.microbatch_size and priced_size and priced_size != saved.microbatch_size:
+            # a module:factory makes its own batch, so its microbatches may not be the planned ones
+            print(f"note: {path} was planned for microbatches of {saved.microbatch_size}; --model {args.model} makes "
+                  f"microbatches of {priced_size} (its batch over {plan_.num_microbatches}), and they are what is "
+                  "priced here", file=sys.stderr)
         if len(costs) != plan_.num_layers:
             source = f"--model {args.model}" if args.model else f"--costs {args.costs}"
-            raise OctopipeError(f"{path}: its stages cover {plan_.num_layers} layers, but {source} has {len(costs)}; "
+            raise _other_layers(path, plan_.num_layers, source, len(costs),
                                 "give the costs of the model it was planned for, or plan this one")
         if saved.costs is not None and not _same(costs.for_microbatches(plan_.num_microbatches).to_dict(),
                                                  saved.costs.for_microbatches(plan_.num_microbatches).to_dict()):
@@ -900,13 +920,12 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
 
         plan_ = load_saved_plan(args.plan).plan
         if plan_.num_microbatches != args.microbatches:
-            raise OctopipeError(f"--microbatches {args.microbatches}: {args.plan} runs {plan_.num_microbatches} "
-                                "microbatches; a plan's microbatch count is its own (drop the option, or plan again)")
+            raise _other_microbatches(args.microbatches, args.plan, plan_.num_microbatches)
         layers = len(trace(model, inputs, loss_fn=loss_fn if target is not None else None,
                            example_target=target).layers)
         if layers != plan_.num_layers:
-            raise OctopipeError(f"--plan {args.plan}: its stages cover {plan_.num_layers} layers, but --model "
-                                f"{args.model} has {layers}; plan this model (octopipe plan --model {args.model} -o ...)")
+            raise _other_layers(f"--plan {args.plan}", plan_.num_layers, f"--model {args.model}", layers,
+                                f"plan this model (octopipe plan --model {args.model} -o ...)")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

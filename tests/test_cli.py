@@ -320,6 +320,9 @@ def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, caps
     capsys.readouterr()
     assert main(["dump", "--model", "gemma", "--plan", str(saved), "--microbatches", "2", "--level", "plan"]) == EXIT_OK
     assert capsys.readouterr().out.startswith("plan devices=2 microbatches=2")
+    # a plan for more devices than the cluster has is an argument error (exit 1), as in simulate
+    assert main(["dump", "--model", "gemma", "--plan", str(saved), "--microbatches", "2", "--cluster", "cpux1"]) == EXIT_ERROR
+    assert "give a cluster with 2 devices" in capsys.readouterr().err
 
 
 FACTORIES = '''
@@ -342,6 +345,9 @@ def extra_key():
 def good():
     return {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
             "inputs": torch.zeros(8, 4), "target": torch.zeros(8, 4), "loss_fn": torch.nn.functional.mse_loss}
+
+def small():
+    return {**good(), "inputs": torch.zeros(4, 4), "target": torch.zeros(4, 4)}
 '''
 
 
@@ -370,6 +376,14 @@ def test_bad_model_factories_and_config_overrides_are_errors_not_tracebacks(tmp_
         dump + ["facts:good", "--set", "num_layers=2", "--batch-size", "4"], capsys)
     assert main(dump + ["facts:good"]) == EXIT_OK
     assert capsys.readouterr().out.startswith("graph model=")
+    # a factory makes its own batch: simulating a plan made for other microbatches says so
+    assert main(["plan", "--model", "facts:small", "--microbatches", "2", "--cluster", "cpux2", "--time-limit", "2",
+                 "--quiet", "--no-solver", "-o", "small.json"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["simulate", "small.json", "--model", "facts:good"]) == EXIT_OK
+    assert "planned for microbatches of 2; --model facts:good makes microbatches of 4" in capsys.readouterr().err
+    assert main(["simulate", "small.json", "--model", "facts:small"]) == EXIT_OK
+    assert "planned for microbatches" not in capsys.readouterr().err
     for item, message in (("vocab_size=abc", "vocab_size is an integer, got 'abc'"),
                           ("vocab_size=1.5", "vocab_size is an integer, got '1.5'"),
                           ("norm_eps=tiny", "norm_eps is a number, got 'tiny'"),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import keyword
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -64,6 +65,10 @@ _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_ac
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z][A-Za-z0-9_]*)"
+                            r"|(?P<op>\*\*|[-+*/(),]))")
+FORMULA_FUNCTIONS = frozenset({"Min", "Max", "ceiling", "floor", "sqrt", "log", "exp", "Abs"})
+"""The functions a cost formula may call; its other names are symbols (b, s, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +100,7 @@ class LayerCost:
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
             if key == name:
-                return sympy.sympify(text)
+                return parse_formula(text, f"layer {self.name!r}: formula {key!r}")
         raise KeyError(f"layer {self.name!r} has no formula {name!r}; it has {[k for k, _ in self.formulas]}")
 
     def _fields(self) -> list[tuple[str, object]]:
@@ -686,3 +691,37 @@ def _check_layer(layer: LayerCost, where: str) -> None:
         if not isinstance(key, str) or not _FORMULA_NAME.fullmatch(key) or not isinstance(text, str):
             raise CostTableError(f"{where}: formula {key!r}: names are letters, digits, '_' and '.' (like "
                                  "forward_flops) and expressions are strings")
+        parse_formula(text, f"{where}: formula {key!r}")
+
+
+def parse_formula(text: str, where: str = "formula") -> sympy.Expr:
+    """The sympy expression of a cost formula's text. Only numbers, symbol names, + - * / ** ( ) ,
+    and calls of `FORMULA_FUNCTIONS` are accepted, so no text reaches sympy's parser (which
+    evaluates Python) that could do more than build an expression. Raises CostTableError."""
+    position, previous = 0, None
+    while position < len(text):
+        match = _FORMULA_TOKEN.match(text, position)
+        if match is None or match.end() == position:
+            if text[position:].strip() == "":
+                break
+            raise CostTableError(f"{where}: cannot read {text[position:position + 20]!r} in {text!r}; a formula is "
+                                 "numbers, names (b, s, ...), + - * / ** ( ) and " + ", ".join(sorted(FORMULA_FUNCTIONS)))
+        if match.group("op") == "(" and previous is not None and previous.group("name") is not None \
+                and previous.group("name") not in FORMULA_FUNCTIONS:
+            raise CostTableError(f"{where}: {previous.group('name')!r} is not a formula function in {text!r}; use "
+                                 + ", ".join(sorted(FORMULA_FUNCTIONS)))
+        if keyword.iskeyword(match.group("name") or ""):
+            raise CostTableError(f"{where}: {match.group('name')!r} in {text!r} is a Python keyword, not a symbol")
+        previous, position = match, match.end()
+    if previous is None:
+        raise CostTableError(f"{where}: the formula is empty")
+    names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z][A-Za-z0-9_]*", text)
+             if name not in FORMULA_FUNCTIONS}
+    try:
+        expression = sympy.sympify(text, locals=names)
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError):
+        raise CostTableError(f"{where}: cannot parse {text!r} as an expression (unbalanced or misplaced "
+                             "parts)") from None
+    if not isinstance(expression, sympy.Expr):
+        raise CostTableError(f"{where}: {text!r} is not an expression")
+    return expression

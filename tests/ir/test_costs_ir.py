@@ -66,6 +66,9 @@ names = awkward.filter(bool)
 times = st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
 byte_counts = st.none() | st.integers(0, 2**60)
 formula_keys = st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True)
+# valid formulas only (they are checked when read), with the spaces and commas that need quoting
+formula_texts = st.lists(st.sampled_from(["24*b*s**2", "Min(b, 4) * s", " b + s ", "1e-3*b", "0", "(b - 1)/2",
+                                          "Max(s,b)**2"]), min_size=1, max_size=3).map(" + ".join)
 
 
 @st.composite
@@ -74,7 +77,7 @@ def tables(draw):
     for index in range(draw(st.integers(1, 6))):
         backward = draw(times)
         weight = draw(st.none() | st.floats(0, 1, allow_nan=False).map(lambda f, total=backward: total * f))
-        formulas = draw(st.dictionaries(formula_keys, names, max_size=3))
+        formulas = draw(st.dictionaries(formula_keys, formula_texts, max_size=3))
         layers.append(
             LayerCost(
                 name=draw(names) + f"#{index}",
@@ -358,3 +361,21 @@ def test_a_yaml_number_read_as_text_gets_the_spelling_that_works(tmp_path):
     path.write_text("layers:\n- forward_ms: 1e-3\n  backward_ms: 2.0\n")
     with pytest.raises(CostTableError, match="write 1.0e-3"):
         CostTable.load(path)
+
+
+def test_formulas_are_checked_when_read_and_never_run_as_python(tmp_path):
+    from octopipe.ir.costs import parse_formula
+
+    assert parse_formula("Min(b, 4)*s**2 + 1e-3*b") == sympy.Min(sympy.Symbol("b"), 4) * sympy.Symbol("s") ** 2 \
+        + sympy.Float(1e-3) * sympy.Symbol("b")
+    assert parse_formula("S*b").free_symbols == {sympy.Symbol("S"), sympy.Symbol("b")}  # names are symbols
+    marker = tmp_path / "ran"
+    for text, message in ((f"__import__('pathlib').Path({str(marker)!r}).touch()", "cannot read"),
+                          ("open(1)", "not a formula function"), ("b.__class__", "cannot read"),
+                          ("b*(s", "cannot parse"), ("", "empty"), ("b if s else b", "keyword")):
+        table = {"layers": [{"name": "l0", "forward_ms": 1, "backward_ms": 2, "formulas": {"forward_flops": text}}]}
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps(table))
+        with pytest.raises(CostTableError, match=message):
+            CostTable.load(path)  # refused when the table is read, not when a formula is first used
+    assert not marker.exists()
