@@ -36,6 +36,7 @@ objects with keys name, from, to, bytes.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import keyword
 import math
@@ -65,8 +66,10 @@ _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_ac
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z][A-Za-z0-9_]*)"
+_FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z][A-Za-z0-9_]*)"
                             r"|(?P<op>\*\*|[-+*/(),]))")
+MAX_FORMULA_EXPONENT = 16
+"""The largest exponent a cost formula may use (s**2 is typical)."""
 FORMULA_FUNCTIONS = frozenset({"Min", "Max", "ceiling", "floor", "sqrt", "log", "exp", "Abs"})
 """The functions a cost formula may call; its other names are symbols (b, s, ...)."""
 
@@ -697,31 +700,49 @@ def _check_layer(layer: LayerCost, where: str) -> None:
 def parse_formula(text: str, where: str = "formula") -> sympy.Expr:
     """The sympy expression of a cost formula's text. Only numbers, symbol names, + - * / ** ( ) ,
     and calls of `FORMULA_FUNCTIONS` are accepted, so no text reaches sympy's parser (which
-    evaluates Python) that could do more than build an expression. Raises CostTableError."""
+    evaluates Python) that could do more than build an expression; exponents are bounded by
+    `MAX_FORMULA_EXPONENT`. Raises CostTableError. Cached by text (every table checks its
+    layers' formulas when it is made)."""
+    try:
+        return _parse_formula(text)
+    except _FormulaError as exc:
+        raise CostTableError(f"{where}: {exc}") from None
+
+
+class _FormulaError(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_formula(text: str) -> sympy.Expr:
     position, previous = 0, None
     while position < len(text):
         match = _FORMULA_TOKEN.match(text, position)
         if match is None or match.end() == position:
             if text[position:].strip() == "":
                 break
-            raise CostTableError(f"{where}: cannot read {text[position:position + 20]!r} in {text!r}; a formula is "
-                                 "numbers, names (b, s, ...), + - * / ** ( ) and " + ", ".join(sorted(FORMULA_FUNCTIONS)))
+            raise _FormulaError(f"cannot read {text[position:position + 20]!r} in {text!r}; a formula is "
+                               "numbers, names (b, s, ...), + - * / ** ( ) and " + ", ".join(sorted(FORMULA_FUNCTIONS)))
         if match.group("op") == "(" and previous is not None and previous.group("name") is not None \
                 and previous.group("name") not in FORMULA_FUNCTIONS:
-            raise CostTableError(f"{where}: {previous.group('name')!r} is not a formula function in {text!r}; use "
-                                 + ", ".join(sorted(FORMULA_FUNCTIONS)))
+            raise _FormulaError(f"{previous.group('name')!r} is not a formula function in {text!r}; use "
+                               + ", ".join(sorted(FORMULA_FUNCTIONS)))
         if keyword.iskeyword(match.group("name") or ""):
-            raise CostTableError(f"{where}: {match.group('name')!r} in {text!r} is a Python keyword, not a symbol")
+            raise _FormulaError(f"{match.group('name')!r} in {text!r} is a Python keyword, not a symbol")
         previous, position = match, match.end()
     if previous is None:
-        raise CostTableError(f"{where}: the formula is empty")
+        raise _FormulaError("the formula is empty")
     names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z][A-Za-z0-9_]*", text)
              if name not in FORMULA_FUNCTIONS}
     try:
-        expression = sympy.sympify(text, locals=names)
+        unevaluated = sympy.sympify(text, locals=names, evaluate=False)
     except (sympy.SympifyError, SyntaxError, TypeError, ValueError):
-        raise CostTableError(f"{where}: cannot parse {text!r} as an expression (unbalanced or misplaced "
-                             "parts)") from None
-    if not isinstance(expression, sympy.Expr):
-        raise CostTableError(f"{where}: {text!r} is not an expression")
-    return expression
+        raise _FormulaError(f"cannot parse {text!r} as an expression (unbalanced or misplaced "
+                           "parts)") from None
+    if not isinstance(unevaluated, sympy.Expr):
+        raise _FormulaError(f"{text!r} is not an expression")
+    for power in unevaluated.atoms(sympy.Pow):  # 9**9**9 would take sympy hours to evaluate
+        if power.exp.atoms(sympy.Pow) or (power.exp.is_Number and abs(power.exp) > MAX_FORMULA_EXPONENT):
+            raise _FormulaError(f"exponent {power.exp} in {text!r} is too large (at most "
+                               f"{MAX_FORMULA_EXPONENT}, and not itself a power)")
+    return sympy.sympify(text, locals=names)

@@ -368,11 +368,13 @@ def test_formulas_are_checked_when_read_and_never_run_as_python(tmp_path):
 
     assert parse_formula("Min(b, 4)*s**2 + 1e-3*b") == sympy.Min(sympy.Symbol("b"), 4) * sympy.Symbol("s") ** 2 \
         + sympy.Float(1e-3) * sympy.Symbol("b")
+    assert parse_formula(".5*b") == sympy.Float(0.5) * sympy.Symbol("b")
     assert parse_formula("S*b").free_symbols == {sympy.Symbol("S"), sympy.Symbol("b")}  # names are symbols
     marker = tmp_path / "ran"
     for text, message in ((f"__import__('pathlib').Path({str(marker)!r}).touch()", "cannot read"),
                           ("open(1)", "not a formula function"), ("b.__class__", "cannot read"),
-                          ("b*(s", "cannot parse"), ("", "empty"), ("b if s else b", "keyword")):
+                          ("b*(s", "cannot parse"), ("", "empty"), ("b if s else b", "keyword"),
+                          ("b**(9**9**9)", "too large"), ("10**400*b", "too large")):
         table = {"layers": [{"name": "l0", "forward_ms": 1, "backward_ms": 2, "formulas": {"forward_flops": text}}]}
         path = tmp_path / "t.json"
         path.write_text(json.dumps(table))
