@@ -17,6 +17,7 @@ from octopipe import schedules
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, ClusterSpecError, InfeasibleError, OctopipeError, ParseError, PlanError
 from octopipe.ir.costs import CostTable
+from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, simulate
@@ -24,6 +25,8 @@ from octopipe.solver import balance_bound, input_gradients, refine_order, releas
 from octopipe.tuner import Policy, Structure, TuneResult, list_schedule, plan_shape, tune
 
 GiB = 2**30
+MAX_BYTES = 2**80
+"""Byte limits above this are refused (a float holds them; 10**400 would not)."""
 
 
 RUNNER_UP_MARGIN = 0.10
@@ -104,6 +107,11 @@ def plan(
     cluster = ClusterSpec.of(cluster, "plan: cluster")
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
+    if not isinstance(memory, MemoryModel):
+        raise ArgumentError(f"plan: memory must be a MemoryModel (octopipe.simulator.MemoryModel), got "
+                            f"{type(memory).__name__}")
+    if progress is not None and not callable(progress):
+        raise ArgumentError(f"plan: progress must be a function of one string (or None), got {type(progress).__name__}")
     costed_for = costs.num_microbatches
     costs = costs.for_microbatches(num_microbatches)  # gradient accumulation as this step has it
     if not isinstance(recompute, bool):
@@ -293,6 +301,16 @@ def _positive_finite(value: object) -> bool:
         return False
 
 
+def _size(count: float, exact: bool = False) -> str:
+    """A byte count in the unit that shows it: 3.20 GiB, 412.0 MiB, 96 B; `exact`: with the
+    bytes too, where the unit rounds (a limit to set)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            shown = f"{count / scale:.2f} {unit}" if unit == "GiB" else f"{count / scale:.1f} {unit}"
+            return f"{shown} ({math.ceil(count)} bytes)" if exact else shown
+    return f"{math.ceil(count)} B"
+
+
 def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
                   time_limit_s: float, effort: float, memory_limit_bytes: float | None, seed: int) -> None:
     if not isinstance(costs, CostTable):
@@ -310,10 +328,10 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < math.inf):
-            raise ArgumentError(f"plan: {name} must be a positive finite number, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ArgumentError(f"plan: seed must be a non-negative integer, got {seed!r}")
+                                  or not 0 < value < MAX_BYTES):
+            raise ArgumentError(f"plan: {name} must be a positive finite number, got {value!r:.60}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ArgumentError(f"plan: seed must be an integer in [0, 2**31) (the solver's seed is 32-bit), got {seed!r}")
     if not sum(costs.forward) + sum(costs.backward_full) > 0:
         raise ArgumentError(
             f"plan: every layer of the cost table{_named(costs)} takes 0 ms forward and backward, so no plan is faster "
@@ -336,8 +354,9 @@ def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimRes
         if not peaks:
             raise PlanError("plan: activation_limit='1f1b' but no 1F1B baseline is defined for this input")
         return max(peaks)
-    if not limit > 0:
-        raise ArgumentError(f"plan: activation_limit must be positive, got {limit!r}")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < MAX_BYTES:
+        raise ArgumentError(f"plan: activation_limit must be a positive number of bytes below 2**80, '1f1b' or None, "
+                            f"got {limit!r:.80}")
     return float(limit)
 
 
@@ -416,23 +435,23 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)")
         raise InfeasibleError(
-            f"no plan fits {memory_limit / GiB:.2f} GiB per device: even with the layers split evenly over "
-            f"{num_devices} devices and one microbatch in flight, the busiest device needs {need_memory / GiB:.2f} GiB "
+            f"no plan fits {_size(memory_limit)} per device: even with the layers split evenly over "
+            f"{num_devices} devices and one microbatch in flight, the busiest device needs {_size(need_memory)} "
             f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
-            f"memory limit to {need_memory / GiB:.2f} GiB, {more}, shard the optimizer state, or use a smaller "
+            f"memory limit to {_size(need_memory, exact=True)}, {more}, shard the optimizer state, or use a smaller "
             "microbatch"
         )
     if activation_budget is not None and need_activation > activation_budget:
         raise InfeasibleError(
-            f"activation limit {activation_budget / GiB:.3f} GiB per device is below what one microbatch in flight needs "
-            f"on the busiest of {num_devices} devices with the layers split evenly ({need_activation / GiB:.3f} GiB; the "
-            f"largest layer alone holds {max(costs.activation) / GiB:.3f} GiB). Raise activation_limit to at least "
-            f"{need_activation / GiB:.3f} GiB, use more devices (more, shorter stages), or use a smaller microbatch"
+            f"activation limit {_size(activation_budget)} per device is below what one microbatch in flight needs "
+            f"on the busiest of {num_devices} devices with the layers split evenly ({_size(need_activation)}; the "
+            f"largest layer alone holds {_size(max(costs.activation))}). Raise activation_limit to at least "
+            f"{_size(need_activation, exact=True)}, use more devices (more, shorter stages), or use a smaller microbatch"
         )
     raise InfeasibleError(
-        f"no plan fits both limits ({memory_limit / GiB:.2f} GiB per device, activations "
-        f"{(activation_budget or 0) / GiB:.3f} GiB): one at a time each holds for a balanced split ({need_memory / GiB:.2f} "
-        f"and {need_activation / GiB:.3f} GiB) but no split of the layers over {num_devices} devices meets both at once. "
+        f"no plan fits both limits ({_size(memory_limit)} per device, activations "
+        f"{_size(activation_budget or 0)}): one at a time each holds for a balanced split ({_size(need_memory)} "
+        f"and {_size(need_activation)}) but no split of the layers over {num_devices} devices meets both at once. "
         "Raise either limit, use more devices, or use a smaller microbatch"
     )
 
@@ -597,10 +616,10 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     """A plan file (JSON or text form) with the context `save_plan` stored in it, if any."""
     path = Path(path)
     plan_ = load_plan(path)
-    text = path.read_text()
+    text = read_text(path, ParseError, "plan")
     if not text.lstrip().startswith("{"):
         return SavedPlan(plan_)
-    context = json.loads(text).get(PLANNED_WITH)
+    context = parse_json(text, str(path), ParseError).get(PLANNED_WITH)
     if context is None:
         return SavedPlan(plan_)
     if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms", "microbatch_size"}:
@@ -630,10 +649,7 @@ def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:
     if isinstance(source, PipelinePlan):
         return source
     path = Path(source)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise OctopipeError(f"{path}: cannot read plan: {exc.strerror}") from None
+    text = read_text(path, ParseError, "plan")
     is_json = path.suffix == ".json" or text.lstrip().startswith("{")
     try:
         return PipelinePlan.from_json(text) if is_json else PipelinePlan.parse(text)

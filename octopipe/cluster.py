@@ -67,7 +67,7 @@ class ClusterSpec:
         for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "peak_flops", "memory_bandwidth"):
             value = getattr(self, field)
             if not _is_number(value) or not value > 0 or math.isinf(value):
-                raise ClusterSpecError(f"{where}: {field} must be a positive finite number, got {value!r}")
+                raise ClusterSpecError(f"{where}: {field} must be a positive finite number, got {value!r:.60}")
         if not _is_number(self.latency_s) or not 0 <= self.latency_s < 1:
             raise ClusterSpecError(f"{where}: latency_s must be in [0, 1) seconds, got {self.latency_s!r}")
         if not _is_number(self.op_overhead_ms) or not 0 <= self.op_overhead_ms < 1e3:
@@ -185,20 +185,14 @@ class ClusterSpec:
     def load(cls, path: str | Path) -> ClusterSpec:
         """Read a YAML or JSON file of ClusterSpec fields. A file may also say `preset: NAME`
         (with optional `num_devices` and overrides) to start from a preset."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ClusterSpecError(f"{path}: cannot read cluster spec: {exc.strerror}") from None
-        try:
-            if path.suffix == ".json":
-                data = json.loads(text)
-            else:
-                import yaml
+        from octopipe.ir.files import parse_json, parse_yaml, read_text
 
-                data = yaml.safe_load(text)
-        except Exception as exc:  # noqa: BLE001 - any parser failure becomes one clear error
-            raise ClusterSpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        path = Path(path)
+        text = read_text(path, ClusterSpecError, "cluster spec")
+        if path.suffix == ".json":
+            data = parse_json(text, str(path), ClusterSpecError)
+        else:
+            data = parse_yaml(text, str(path), ClusterSpecError)
         if isinstance(data, dict) and "preset" in data:
             data = dict(data)
             base = cls.preset(str(data.pop("preset")), data.pop("num_devices", None))
@@ -228,10 +222,12 @@ class ClusterSpec:
         `cpu` is a local "cluster" of gloo processes on this machine. `num_devices` overrides the
         count in the name.
         """
+        if not isinstance(name, str):
+            raise ClusterSpecError(f"cluster preset must be a name like {PRESET_EXAMPLES[0]!r}, got {type(name).__name__}")
         match = _PRESET_NAME.match(name.strip().lower())
         if not match:
             raise ClusterSpecError(
-                f"unknown cluster preset {name!r}; use one of {', '.join(PRESET_EXAMPLES)} "
+                f"unknown cluster preset {name!r:.60}; use one of {', '.join(PRESET_EXAMPLES)} "
                 "(GPU kind h100|h800|h200|a100 or cpu, 'x' device count, optional -ib|-roce)"
             )
         kind, count, fabric = match.group(1), match.group(2), match.group(3) or "ib"
@@ -257,10 +253,16 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    """A real number a float can hold (an int of 400 digits cannot)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return not math.isnan(float(value))
+    except OverflowError:
+        return False
 
 
-_PRESET_NAME = re.compile(r"^(h100|h800|h200|a100|cpu)(?:x(\d+))?(?:-(ib|roce))?$")
+_PRESET_NAME = re.compile(r"^(h100|h800|h200|a100|cpu)(?:x([0-9]{1,9}))?(?:-(ib|roce))?$")
 _DEFAULT_COUNT = {"h100": 8, "h800": 8, "h200": 8, "a100": 8, "cpu": 2}
 # Per-device, per-direction bandwidths: NVLink 4 (H100/H200) 900 GB/s bidirectional, H800's
 # NVLink cut to 400 GB/s, A100 NVLink 3 600 GB/s; one 400 Gb/s (H-series) or 200 Gb/s (A100)

@@ -38,7 +38,6 @@ Consumed by the CLI (`octopipe plan --costs data/profiles/...json`) and the benc
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 
 from octopipe.errors import CostTableError
 from octopipe.ir.costs import CostTable
+from octopipe.ir.files import parse_json, read_text
 
 SELECTIVE_FRACTIONS: dict[str, dict[str, tuple[float, float]]] = {
     "gpt-13B": {"T": (0.479, 0.089)},
@@ -60,6 +60,7 @@ HIDDEN_SIZE = {"gpt-13B": 5120, "deepseek-16B": 2048, "gpt-oss-20B": 2880, "nemo
 """Hidden sizes of the profiled models (gpt-13B, DeepSeekMoE 16B, gpt-oss-20B, Nemotron-Nano-v2-9B)."""
 
 BYTES_PER_ELEMENT = 2  # bf16
+MAX_DIMENSION = 2**24  # a hidden size or sequence length above this is a mistake
 TRANSFORMER_LAYER = 34  # activation bytes per (sequence position x hidden unit), Korthikanti et al.
 ATTENTION_SUBLAYER = 13  # 11 (attention) + 2 (its LayerNorm)
 MLP_SUBLAYER = 21  # 19 (MLP) + 2 (its LayerNorm)
@@ -75,13 +76,10 @@ def load_profile(path: str | Path, hidden_size: int | None = None, *, selective:
     `hidden_size` defaults to the model's entry in `HIDDEN_SIZE`; a model not there needs it.
     `selective`: also fill the selective-recomputation estimates, where `SELECTIVE_FRACTIONS`
     has the model."""
+    if not isinstance(path, (str, Path)):
+        raise CostTableError(f"load_profile: path must be a file path, got {type(path).__name__}")
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise CostTableError(f"{path}: cannot read profile: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise CostTableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    raw = parse_json(read_text(path, CostTableError, "profile"), str(path), CostTableError)
     if not is_profile(raw):
         raise CostTableError(f"{path}: not a profile (needs seq_len, kind_legend and layers); load a cost table with "
                              "CostTable.load")
@@ -91,9 +89,15 @@ def load_profile(path: str | Path, hidden_size: int | None = None, *, selective:
     if hidden is None:
         raise CostTableError(f"{path}: no hidden size known for model {model!r} (known: {', '.join(HIDDEN_SIZE)}); "
                              "pass hidden_size (CLI: --hidden-size) to fill activation and message bytes")
-    if not (isinstance(hidden, int) and hidden > 0):
-        raise CostTableError(f"{path}: hidden_size must be a positive integer, got {hidden!r}")
-    costs = fill_bytes(costs, int(raw["seq_len"]), hidden, raw.get("kind_legend", {}), where=str(path))
+    if not (isinstance(hidden, int) and not isinstance(hidden, bool) and 0 < hidden <= MAX_DIMENSION):
+        raise CostTableError(f"{path}: hidden_size must be a positive integer up to {MAX_DIMENSION}, got {hidden!r:.40}")
+    seq_len, legend = raw["seq_len"], raw["kind_legend"]
+    if not (isinstance(seq_len, int) and not isinstance(seq_len, bool) and 0 < seq_len <= MAX_DIMENSION):
+        raise CostTableError(f"{path}: seq_len must be a positive integer up to {MAX_DIMENSION} (tokens per "
+                             f"sequence), got {seq_len!r:.40}")
+    if not isinstance(legend, dict) or not all(isinstance(key, str) for key in legend):
+        raise CostTableError(f"{path}: kind_legend must map layer kinds to descriptions, got {legend!r:.80}")
+    costs = fill_bytes(costs, seq_len, hidden, legend, where=str(path))
     fractions = SELECTIVE_FRACTIONS.get(model) if selective else None
     return fill_selective(costs, fractions, where=str(path)) if fractions else costs
 
@@ -120,6 +124,9 @@ def fill_bytes(costs: CostTable, seq_len: int, hidden_size: int, kind_legend: di
     if mamba is not None:
         if attention is None or mlp is None:
             raise CostTableError(f"{where}: Mamba layers need attention and MLP layers to scale their activations from")
+        if not attention + mlp > 0:
+            raise CostTableError(f"{where}: Mamba layers' activations are scaled by the attention and MLP layers' "
+                                 "forward times, and those are 0 ms; give them their times")
         per_position["mamba"] = TRANSFORMER_LAYER * mamba / (attention + mlp)
     layers = [
         replace(layer, activation_bytes=round(per_position[role(layer.kind)] * seq_len * hidden_size),

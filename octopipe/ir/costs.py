@@ -49,6 +49,7 @@ from typing import Any
 import sympy
 
 from octopipe.errors import CostTableError, ParseError
+from octopipe.ir.files import parse_json, parse_yaml, read_text
 from octopipe.ir.text import FieldReader, format_fields, parse_fields, record
 
 DEFAULT_WEIGHT_FRACTION = 0.5
@@ -68,8 +69,14 @@ _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied",
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z][A-Za-z0-9_]*)"
                             r"|(?P<op>\*\*|[-+*/(),]))")
+MAX_BYTES = 2**62
+"""A layer's byte counts are below this (a float holds them exactly enough; 10**400 does not fit one)."""
 MAX_FORMULA_EXPONENT = 16
 """The largest exponent a cost formula may use (s**2 is typical)."""
+MAX_FORMULA_TOKENS = 200
+"""The most numbers, names and operators a cost formula may have (the analytic pass's longest has 37)."""
+MAX_FORMULA_ARGUMENTS = 32
+"""The most commas (function arguments after the first) a cost formula may have."""
 FORMULA_FUNCTIONS = frozenset({"Min", "Max", "ceiling", "floor", "sqrt", "log", "exp", "Abs"})
 """The functions a cost formula may call; its other names are symbols (b, s, ...)."""
 
@@ -181,9 +188,21 @@ class CostTable:
     _derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+            raise CostTableError(f"cost table {self.model!r}: layers must be a list of LayerCost, got "
+                                 f"{type(self.layers).__name__}")
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise CostTableError(f"cost table {self.model!r}: has no layers")
+        if not _is_number(self.weight_fraction):
+            raise CostTableError(f"cost table {self.model!r}: weight_fraction must be a number in [0, 1], got "
+                                 f"{self.weight_fraction!r:.40}")
+        for name, items, kind in (("layers", self.layers, LayerCost), ("tied", self.tied, TiedParameter),
+                                  ("skips", self.skips, SkipTensor)):
+            wrong = next((item for item in (items or ()) if not isinstance(item, kind)), None)
+            if wrong is not None:
+                raise CostTableError(f"cost table {self.model!r}: {name} must hold {kind.__name__} objects (files: "
+                                     f"CostTable.load), got {type(wrong).__name__}")
         seen: dict[str, int] = {}
         for index, layer in enumerate(self.layers):
             where = f"cost table {self.model!r}: layer {index} ({layer.name!r})"
@@ -499,10 +518,7 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise CostTableError(f"{path}: cannot read cost table: {exc.strerror}") from None
+        text = read_text(path, CostTableError, "cost table")
         if text.lstrip().startswith("costs "):  # the text form (what `octopipe dump --level costs` writes)
             try:
                 table = cls.parse(text)
@@ -510,17 +526,9 @@ class CostTable:
                 raise CostTableError(f"{path}: {exc}") from None
             return table if table.model else replace(table, model=path.stem, _derived={})
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as exc:
-                raise CostTableError(f"{path}: not valid YAML: {exc}") from None
+            data = parse_yaml(text, str(path), CostTableError)
         else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise CostTableError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+            data = parse_json(text, str(path), CostTableError)
         table = cls.from_dict(data, source=str(path))
         if not table.model:
             table = replace(table, model=path.stem, _derived={})
@@ -654,8 +662,8 @@ def _check_skip(skip: SkipTensor, num_layers: int, where: str) -> None:
     if consumers[-1] <= skip.producer + 1:
         raise CostTableError(f"{where}: only read by the next layer ({consumers}): that is the layer's output, "
                              "not a skip tensor")
-    if not isinstance(skip.bytes, int) or isinstance(skip.bytes, bool) or skip.bytes < 0:
-        raise CostTableError(f"{where}: bytes must be a non-negative integer, got {skip.bytes!r}")
+    if not isinstance(skip.bytes, int) or isinstance(skip.bytes, bool) or not 0 <= skip.bytes < MAX_BYTES:
+        raise CostTableError(f"{where}: bytes must be a non-negative integer below 2**62, got {skip.bytes!r:.40}")
 
 
 def _check_tied(tied: TiedParameter, num_layers: int, where: str) -> None:
@@ -664,8 +672,8 @@ def _check_tied(tied: TiedParameter, num_layers: int, where: str) -> None:
         raise CostTableError(f"{where}: layers must be two or more distinct indices in ascending order, got {list(layers)}")
     if layers[0] < 0 or layers[-1] >= num_layers:
         raise CostTableError(f"{where}: layers {list(layers)} outside 0..{num_layers - 1}")
-    if not isinstance(tied.bytes, int) or isinstance(tied.bytes, bool) or tied.bytes < 0:
-        raise CostTableError(f"{where}: bytes must be a non-negative integer, got {tied.bytes!r}")
+    if not isinstance(tied.bytes, int) or isinstance(tied.bytes, bool) or not 0 <= tied.bytes < MAX_BYTES:
+        raise CostTableError(f"{where}: bytes must be a non-negative integer below 2**62, got {tied.bytes!r:.40}")
 
 
 def _check_layer(layer: LayerCost, where: str) -> None:
@@ -686,10 +694,15 @@ def _check_layer(layer: LayerCost, where: str) -> None:
         )
     for key in _BYTE_FIELDS:
         value = getattr(layer, key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise CostTableError(f"{where}: field {key!r} must be a non-negative integer of bytes, got {value!r}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_BYTES):
+            raise CostTableError(f"{where}: field {key!r} must be a non-negative integer of bytes below 2**62, got "
+                                 f"{value!r:.40}")
     if not isinstance(layer.name, str) or not layer.name:
         raise CostTableError(f"{where}: name must be a non-empty string")
+    if isinstance(layer.formulas, (str, dict)) or not all(isinstance(pair, tuple) and len(pair) == 2
+                                                          for pair in layer.formulas):
+        raise CostTableError(f"{where}: formulas must be (name, expression) pairs, like (('forward_flops', "
+                             f"'24*b*s'),), got {layer.formulas!r:.60}")
     for key, text in layer.formulas:
         if not isinstance(key, str) or not _FORMULA_NAME.fullmatch(key) or not isinstance(text, str):
             raise CostTableError(f"{where}: formula {key!r}: names are letters, digits, '_' and '.' (like "
@@ -715,7 +728,7 @@ class _FormulaError(Exception):
 
 @functools.lru_cache(maxsize=8192)
 def _parse_formula(text: str) -> sympy.Expr:
-    position, previous = 0, None
+    position, previous, count, commas = 0, None, 0, 0
     while position < len(text):
         match = _FORMULA_TOKEN.match(text, position)
         if match is None or match.end() == position:
@@ -729,20 +742,26 @@ def _parse_formula(text: str) -> sympy.Expr:
                                + ", ".join(sorted(FORMULA_FUNCTIONS)))
         if keyword.iskeyword(match.group("name") or ""):
             raise _FormulaError(f"{match.group('name')!r} in {text!r} is a Python keyword, not a symbol")
-        previous, position = match, match.end()
+        previous, position, count = match, match.end(), count + 1
+        commas += match.group("op") == ","
+        if commas > MAX_FORMULA_ARGUMENTS:  # sympy's Min and Max take seconds for a hundred
+            raise _FormulaError(f"{text[:40]!r}... passes more than {MAX_FORMULA_ARGUMENTS} function arguments")
+        if count > MAX_FORMULA_TOKENS:
+            raise _FormulaError(f"{text[:40]!r}... is longer than {MAX_FORMULA_TOKENS} numbers, names and operators")
     if previous is None:
         raise _FormulaError("the formula is empty")
     names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z][A-Za-z0-9_]*", text)
              if name not in FORMULA_FUNCTIONS}
     try:
         unevaluated = sympy.sympify(text, locals=names, evaluate=False)
-    except (sympy.SympifyError, SyntaxError, TypeError, ValueError):
+    except (sympy.SympifyError, SyntaxError, TypeError, ValueError, RecursionError):
         raise _FormulaError(f"cannot parse {text!r} as an expression (unbalanced or misplaced "
                            "parts)") from None
     if not isinstance(unevaluated, sympy.Expr):
         raise _FormulaError(f"{text!r} is not an expression")
-    for power in unevaluated.atoms(sympy.Pow):  # 9**9**9 would take sympy hours to evaluate
-        if power.exp.atoms(sympy.Pow) or (power.exp.is_Number and abs(power.exp) > MAX_FORMULA_EXPONENT):
-            raise _FormulaError(f"exponent {power.exp} in {text!r} is too large (at most "
-                               f"{MAX_FORMULA_EXPONENT}, and not itself a power)")
+    for power in unevaluated.atoms(sympy.Pow):  # 9**9**9 or (9**16)**16... would take sympy hours
+        if power.base.atoms(sympy.Pow) or power.exp.atoms(sympy.Pow):
+            raise _FormulaError(f"{power} in {text!r}: a power of a power; write the product of the exponents")
+        if power.exp.is_Number and abs(power.exp) > MAX_FORMULA_EXPONENT:
+            raise _FormulaError(f"exponent {power.exp} in {text!r} is too large (at most {MAX_FORMULA_EXPONENT})")
     return sympy.sympify(text, locals=names)

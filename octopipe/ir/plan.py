@@ -35,7 +35,7 @@ class OpKind(str, Enum):
         return self.value
 
 
-_OP_PATTERN = re.compile(r"^(\d+)([FBW])(\d+)$")
+_OP_PATTERN = re.compile(r"^([0-9]{1,18})([FBW])([0-9]{1,18})$")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -96,6 +96,10 @@ class Stage:
     def __str__(self) -> str:
         text = f"stage {self.index} layers={self.layer_start}:{self.layer_end} device={self.device}"
         return text + (" recompute" if self.recompute else " selective" if self.selective else "")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +198,10 @@ class PipelinePlan:
     def with_recompute(self, recompute: Sequence[bool], selective: Sequence[bool] | None = None) -> PipelinePlan:
         """The same plan with these per-stage recomputation flags (and selective ones; None: none
         where `recompute` is set, the plan's own elsewhere)."""
+        for name, flags in (("recompute", recompute), ("selective", selective)):
+            if (flags is not None or name == "recompute") and (not isinstance(flags, Sequence) or isinstance(flags, str)
+                                      or not all(isinstance(flag, (bool, int)) for flag in flags)):
+                raise PlanError(f"with_recompute: {name} must be a list of per-stage booleans, got {flags!r:.60}")
         if len(recompute) != self.num_stages:
             raise PlanError(f"{len(recompute)} recompute flags for a plan of {self.num_stages} stages")
         if selective is None:
@@ -209,10 +217,24 @@ class PipelinePlan:
         """Raise PlanError unless the partition covers the layers in order, every stage sits on an
         existing device, and each (stage, microbatch) has exactly one F and one B, at most one W,
         all on the stage's device, with F before B before W there."""
+        for name, value in (("num_devices", self.num_devices), ("num_microbatches", self.num_microbatches)):
+            if not _is_int(value):
+                raise PlanError(f"plan {name} must be an integer, got {value!r:.40}")
         if self.num_devices < 1 or self.num_microbatches < 1:
             raise PlanError(f"plan needs devices >= 1 and microbatches >= 1, got {self.num_devices}, {self.num_microbatches}")
         if not self.stages:
             raise PlanError("plan has no stages")
+        for position, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage) or not all(map(_is_int, (stage.index, stage.layer_start, stage.layer_end,
+                                                                     stage.device))):
+                raise PlanError(f"stage at position {position} must be a Stage of integers (PipelinePlan.build makes "
+                                f"them), got {stage!r:.80}")
+        for device, ops in enumerate(self.device_ops):
+            for op in ops:
+                if not isinstance(op, Op) or not isinstance(op.kind, OpKind) or not _is_int(op.stage) \
+                        or not _is_int(op.microbatch):
+                    raise PlanError(f"device {device}: {op!r:.40} is not an Op (Op.parse('0F0'), or F(stage, "
+                                    "microbatch), B(...), W(...))")
         expected_start = 0
         for position, stage in enumerate(self.stages):
             if stage.index != position:
@@ -270,19 +292,23 @@ class PipelinePlan:
 
     @classmethod
     def parse(cls, text: str) -> PipelinePlan:
+        if not isinstance(text, str):
+            raise ParseError(f"plan text must be a string (PipelinePlan.parse(path.read_text())), got "
+                             f"{type(text).__name__}")
         lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if not lines:
             raise ParseError("plan text is empty")
         number, head = lines[0]
-        match = re.fullmatch(r"plan devices=(\d+) microbatches=(\d+) stages=(\d+)", head)
+        match = re.fullmatch(r"plan devices=([0-9]{1,18}) microbatches=([0-9]{1,18}) stages=([0-9]{1,18})", head)
         if not match:
-            raise ParseError(f"line {number}: expected 'plan devices=N microbatches=M stages=S', got {head!r}")
+            raise ParseError(f"line {number}: expected 'plan devices=N microbatches=M stages=S' (counts of at most 18 "
+                             f"digits), got {head!r:.80}")
         num_devices, num_microbatches, num_stages = (int(g) for g in match.groups())
         stages: list[Stage] = []
         device_ops: dict[int, tuple[Op, ...]] = {}
         for number, line in lines[1:]:
             if line.startswith("stage "):
-                match = re.fullmatch(r"stage (\d+) layers=(\d+):(\d+) device=(\d+)( recompute| selective)?", line)
+                match = re.fullmatch(r"stage ([0-9]{1,18}) layers=([0-9]{1,18}):([0-9]{1,18}) device=([0-9]{1,18})( recompute| selective)?", line)
                 if not match:
                     raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D' (and ' recompute' where the "
                                      f"stage recomputes its activations, ' selective' where it recomputes the cheap "
@@ -290,7 +316,7 @@ class PipelinePlan:
                 stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) == " recompute",
                                     selective=match.group(5) == " selective"))
             elif line.startswith("device "):
-                match = re.fullmatch(r"device (\d+):(.*)", line)
+                match = re.fullmatch(r"device ([0-9]{1,18}):(.*)", line)
                 if not match:
                     raise ParseError(f"line {number}: expected 'device D: ops...', got {line!r}")
                 device = int(match.group(1))
@@ -304,7 +330,7 @@ class PipelinePlan:
                 raise ParseError(f"line {number}: expected a 'stage' or 'device' line, got {line!r}")
         if len(stages) != num_stages:
             raise ParseError(f"plan header says stages={num_stages}, found {len(stages)} stage lines")
-        if sorted(device_ops) != list(range(num_devices)):
+        if len(device_ops) != num_devices or sorted(device_ops) != list(range(num_devices)):
             raise ParseError(f"plan header says devices={num_devices}, found device lines {sorted(device_ops)}")
         return cls(num_devices, num_microbatches, tuple(stages), tuple(device_ops[d] for d in range(num_devices)))
 
@@ -356,9 +382,12 @@ class PipelinePlan:
     @classmethod
     def from_json(cls, text: str) -> PipelinePlan:
         try:
-            return cls.from_dict(json.loads(text))
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ParseError(f"plan JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except RecursionError:
+            raise ParseError("plan JSON: nested too deeply to read") from None
+        return cls.from_dict(data)
 
     # -- torch.distributed.pipelining interop ---------------------------------------------------
     def to_torch_csv(self) -> str:
@@ -397,7 +426,7 @@ class PipelinePlan:
                 cell = cell.strip()
                 if not cell:
                     continue  # PyTorch writes empty cells for idle steps
-                match = re.fullmatch(r"(\d+)([FIBW])(\d+)", cell)
+                match = re.fullmatch(r"([0-9]{1,18})([FIBW])([0-9]{1,18})", cell)
                 if not match:
                     raise ParseError(f"torch CSV row {rank}: unsupported action {cell!r}; only F, I, B, W compute actions import")
                 stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))

@@ -79,7 +79,7 @@ import torch
 from torch import fx, nn
 
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import OctopipeError
+from octopipe.errors import ArgumentError, OctopipeError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import LayerGraph
 from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, propagate_shapes
@@ -282,16 +282,35 @@ class SymValue:
         return _prod(self.shape)
 
 
+def _check_seq_dims_type(seq_dims: Any) -> None:
+    if seq_dims is not None and not isinstance(seq_dims, Mapping):
+        raise ArgumentError(f"seq_dims must map input names to a dim or None, like {{'input_ids': 1}}, got "
+                            f"{type(seq_dims).__name__}")
+
+
 def _input_axes(
     graph: LayerGraph, seq_dims: Mapping[str, int | None] | None
 ) -> dict[str, tuple[int | None, int | None]]:
     """Per input: (batch dim, sequence dim)."""
+    names = [node.name for node in graph.module.graph.nodes if node.op == "placeholder"]
+    if seq_dims is not None:
+        if not isinstance(seq_dims, Mapping):
+            raise ArgumentError(f"seq_dims must map input names to a dim or None, like {{{names[0]!r}: 1}}, got "
+                                f"{type(seq_dims).__name__}")
+        unknown = sorted(set(seq_dims) - set(names), key=str)
+        if unknown:
+            raise ArgumentError(f"seq_dims names {unknown}, which are not inputs of the traced model; its inputs are "
+                                f"{names}")
     axes = {}
     for node in graph.module.graph.nodes:
         if node.op != "placeholder":
             continue
         info: ValueInfo | None = node.meta.get("octopipe.value")
         rank = len(info.shape) if info is not None and info.is_tensor else 0
+        wanted = seq_dims.get(node.name) if seq_dims is not None else None
+        if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 < wanted < rank):
+            raise ArgumentError(f"seq_dims[{node.name!r}] must be None or a dim of the input other than the batch "
+                                f"dim 0 (1..{rank - 1}), got {wanted!r}")
         batch_dim = 0 if rank >= 1 else None
         # [b, s] token ids and [b, s, d] embeddings have a sequence; [b, features] floats do not
         integer = info is not None and info.is_tensor and not info.dtype.startswith(("float", "bfloat", "complex"))
@@ -367,6 +386,7 @@ def symbolic_shapes(
     if graph.module is None:
         raise OctopipeError("costs: this LayerGraph has no traced module (it was parsed from text); trace the model")
     cache = graph.module.meta.setdefault("octopipe.symbolic", {})
+    _check_seq_dims_type(seq_dims)
     key = tuple(sorted((seq_dims or {}).items()))
     if key in cache:
         return cache[key]
@@ -1233,6 +1253,7 @@ def layer_formulas(
     the fit, and the values are numbers: the check that the fitted formulas are right.
     """
     if at is None:
+        _check_seq_dims_type(seq_dims)
         works = _symbolic_works(graph, dtype_bytes, seq_dims)
     else:
         axes = _input_axes(graph, seq_dims)
@@ -1274,6 +1295,7 @@ def analytic_costs(
         raise OctopipeError(
             "analytic_costs: this LayerGraph has no traced module (it was parsed from text); trace the model"
         )
+    _check_seq_dims_type(seq_dims)
     works = _symbolic_works(graph, dtype_bytes, seq_dims)
     if seq_len is None:
         _, seq_len = _example_sizes(graph, _input_axes(graph, seq_dims))

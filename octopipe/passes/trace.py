@@ -108,6 +108,9 @@ def _trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tens
     inputs = _check_inputs(model, example_inputs, loss_fn, example_target, method)
     root = _TraceRoot.build(model, len(inputs), loss_fn)
     leaf_paths, leaf_types = _leaf_spec(root, leaf_modules)
+    if isinstance(split_points, str):
+        raise TraceError(f"{method}: split_points is a list of module paths, got the string {split_points!r}; write "
+                         f"[{split_points!r}]")
     split_points = tuple(split_points)
     _check_split_points(root, split_points)
     args = inputs + ((example_target,) if loss_fn is not None else ())

@@ -374,7 +374,8 @@ def test_formulas_are_checked_when_read_and_never_run_as_python(tmp_path):
     for text, message in ((f"__import__('pathlib').Path({str(marker)!r}).touch()", "cannot read"),
                           ("open(1)", "not a formula function"), ("b.__class__", "cannot read"),
                           ("b*(s", "cannot parse"), ("", "empty"), ("b if s else b", "keyword"),
-                          ("b**(9**9**9)", "too large"), ("10**400*b", "too large")):
+                          ("b**(9**9**9)", "power of a power"), ("10**400*b", "too large"),
+                          ("((9)**16)**16*b", "power of a power"), ("+".join(["b"] * 500), "longer than")):
         table = {"layers": [{"name": "l0", "forward_ms": 1, "backward_ms": 2, "formulas": {"forward_flops": text}}]}
         path = tmp_path / "t.json"
         path.write_text(json.dumps(table))
