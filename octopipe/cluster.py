@@ -59,6 +59,8 @@ class ClusterSpec:
     """Bytes/s of the links between a device's copies (0: `intra_node_bandwidth`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ClusterSpecError(f"ClusterSpec: name must be a string, got {self.name!r:.40}")
         where = f"ClusterSpec {self.name!r}"
         for field in ("num_devices", "devices_per_node"):
             value = getattr(self, field)

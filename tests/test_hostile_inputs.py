@@ -26,6 +26,12 @@ def test_files_that_would_exhaust_the_machine_are_refused(tmp_path):
     (tmp_path / "laughs_cluster.yaml").write_text(laughs + "name: *i\n")
     with pytest.raises(ClusterSpecError, match="aliases"):
         ClusterSpec.load(tmp_path / "laughs_cluster.yaml")
+    # an endless file (a device, or a wrong path's huge log) is not read to the end
+    with pytest.raises(CostTableError, match="larger than"):
+        CostTable.load("/dev/zero")
+    (tmp_path / "list_name.yaml").write_text("name: [1, 2]\nnum_devices: 2\n")
+    with pytest.raises(ClusterSpecError, match="name must be a string"):
+        ClusterSpec.load(tmp_path / "list_name.yaml")
     # a plan header promising ten billion devices
     (tmp_path / "huge.plan").write_text("plan devices=10000000000 microbatches=1 stages=0\n")
     with pytest.raises(ParseError, match="devices=10000000000"):

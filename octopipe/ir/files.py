@@ -15,11 +15,18 @@ from typing import Any
 
 from octopipe.errors import OctopipeError
 
+MAX_FILE_BYTES = 256 * 2**20
+"""The largest IR file read (a paper-size cost table with formulas is under 1 MiB)."""
+
 
 def read_text(path: Path, error: type[OctopipeError], what: str) -> str:
     """The UTF-8 text of `path` (a `what`, for the message), or `error`."""
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise error(f"{path}: the {what} is larger than {MAX_FILE_BYTES // 2**20} MiB; is it the right file?")
+        return data.decode("utf-8")
     except OSError as exc:
         raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
     except UnicodeDecodeError:
