@@ -161,10 +161,21 @@ def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequ
     pipeline in the same rotation: the step timings of `pipes`, and the profile measured in those
     same minutes. Predictions from it are free of the drift of this machine's speed between a
     profile taken earlier and the measured run. `rewarm`: see `measure_many`."""
+    timings, (profile,) = measure_with_profiles(pipes, probe, inputs, target, steps=steps, warmup=warmup,
+                                                op_overhead_ms=op_overhead_ms, timeout_s=timeout_s, rewarm=rewarm)
+    return timings, profile
+
+
+def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequence[Any], target: Any, *,
+                          trims: Sequence[float] = (0.0,), steps: int = 5, warmup: int = 2, op_overhead_ms: float = 0.0,
+                          timeout_s: float = 600.0, rewarm: bool = False) -> tuple[list[StepTiming], list[RuntimeProfile]]:
+    """`measure_with_profile` with one profile per `trims` entry (`RuntimeProbe.profile`'s
+    `trim`), all from the same measured durations."""
     extra = len(probe.pipes)
     timings, durations = _measure(list(pipes) + list(probe.pipes), [False] * len(pipes) + [True] * extra, inputs,
                                   target, steps, warmup, 0.0, timeout_s, rewarm)
-    return timings[:-extra], probe.profile([run for rank in durations for run in rank[-extra:]], op_overhead_ms)
+    runs = [run for rank in durations for run in rank[-extra:]]
+    return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim) for trim in trims]
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
@@ -332,12 +343,16 @@ class RuntimeProbe:
                                 rewarm)
         return self.profile([run for rank in durations for run in rank], op_overhead_ms)
 
-    def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0
+    def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0, *, trim: float = 0.0
                 ) -> RuntimeProfile:
         """The profile from the instructions' durations (ms) each rank recorded running `pipes`
         (one dict per rank and pipe, in any order): per layer and op kind, the mean over
         microbatches and steps minus `op_overhead_ms` (the simulator adds that per op); per
-        message, the mean time of its send and receive instructions."""
+        message, the mean time of its send and receive instructions. `trim`: the share of each
+        op's durations dropped at either end before the mean (0: the plain mean; the fidelity
+        benchmark compares 0.1)."""
+        if not 0 <= trim < 0.5:
+            raise ValueError(f"RuntimeProbe.profile: trim must be in [0, 0.5), got {trim!r}")
         merged: Durations = {}
         for run in durations:
             for key, values in run.items():
@@ -345,7 +360,11 @@ class RuntimeProbe:
 
         def time_of(kind: str, stage: int) -> float:
             values = merged.get((kind, stage))
-            return max(0.0, statistics.fmean(values) - op_overhead_ms) if values else 0.0
+            if not values:
+                return 0.0
+            cut = int(len(values) * trim)
+            kept = sorted(values)[cut:len(values) - cut] if cut else values
+            return max(0.0, statistics.fmean(kept) - op_overhead_ms)
 
         # times measured inside real steps already hold what accumulating the gradients took (and
         # the probe never ran a selective stage): the quick profile's estimates of those go, so

@@ -211,3 +211,20 @@ def test_paired_speedup_pairs_rounds_so_drift_between_rounds_cancels():
     assert (short.low, short.high) == (pytest.approx(0.9), pytest.approx(1.2))
     with pytest.raises(ValueError, match="same number of steps"):
         paired_speedup(ours, StepTiming((1.0,), ()))
+
+
+def test_a_trimmed_profile_drops_each_ops_outliers():
+    from octopipe.bench import RuntimeProbe
+    from octopipe.ir.costs import CostTable, LayerCost
+
+    sizes = CostTable([LayerCost("a", forward_ms=0.0, backward_ms=0.0), LayerCost("b", forward_ms=0.0, backward_ms=0.0)])
+    probe = RuntimeProbe(pipe=None, sizes=sizes)
+    stalled = [1.0] * 9 + [91.0]  # one op of ten stalled (a page fault, another process)
+    durations = [{("forward", 0): stalled, ("forward", 1): [2.0] * 10, ("backward_input", 0): [3.0, 5.0] * 5}]
+    plain, trimmed = probe.profile(durations), probe.profile(durations, trim=0.1)
+    assert plain.costs.layers[0].forward_ms == pytest.approx(10.0)  # the mean carries the stall
+    assert trimmed.costs.layers[0].forward_ms == pytest.approx(1.0)  # dropped with the fastest
+    assert plain.costs.layers[1].forward_ms == trimmed.costs.layers[1].forward_ms == 2.0
+    assert trimmed.costs.layers[0].backward_ms == pytest.approx(4.0)  # symmetric: the mean of the middle
+    with pytest.raises(ValueError, match="trim"):
+        probe.profile(durations, trim=0.5)
