@@ -18,7 +18,8 @@ Prints each error and the mean and max absolute error (target: mean <= 5%, max <
 relative error: each plan's measured time over the model's 1F1B run divided by the same ratio
 predicted. A control: the 1F1B plan is compiled twice and both copies run in the rotation; how
 far apart the two identical pipelines measure ("noise floor") is what this machine alone adds
-to an error in that run.
+to an error in that run. Also printed: the errors had the rotation's profile priced each op at a
+10%-trimmed mean of its durations instead of the mean (the measured step is a median step).
 
     python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
