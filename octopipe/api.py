@@ -16,7 +16,7 @@ from typing import Any
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, ClusterSpecError, InfeasibleError, OctopipeError, ParseError, PlanError
-from octopipe.ir.costs import CostTable
+from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
@@ -293,12 +293,7 @@ def _stderr(message: str) -> None:
 
 def _positive_finite(value: object) -> bool:
     """A number (not a bool) in (0, inf); huge integers included, without overflowing."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return 0 < float(value) < math.inf
-    except OverflowError:
-        return False
+    return is_finite_number(value) and value > 0  # type: ignore[operator]
 
 
 def _size(count: float, exact: bool = False) -> str:
@@ -777,15 +772,14 @@ def compile(
         if chosen.num_microbatches != num_microbatches:
             raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
                                 f"{num_microbatches}; plan again or pass the matching count")
+        where = f"plan {plan}" if isinstance(plan, (str, Path)) else "the plan"
         if chosen.num_layers != len(graph.layers):
-            where = f"plan {plan}" if isinstance(plan, (str, Path)) else "the plan"
             named = f" {graph.model}" if graph.model else ""
             raise PlanError(f"compile: {where} covers {chosen.num_layers} layers but the traced model{named} has "
                             f"{len(graph.layers)}; plan this model (octopipe.plan, "
                             "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
         if chosen.num_devices > cluster.num_devices:
-            where = f"plan {plan}" if isinstance(plan, (str, Path)) else "the plan"
             per = (f" per replica ({full_cluster.num_devices} in all, {data_parallel} replicas)"
                    if data_parallel > 1 else "")
             raise ArgumentError(f"compile: {where} uses {chosen.num_devices} devices, the cluster {cluster.name} has "

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from octopipe.errors import ClusterSpecError
+from octopipe.ir.costs import is_finite_number
 
 GiB = 2**30
 
@@ -68,22 +68,22 @@ class ClusterSpec:
                 raise ClusterSpecError(f"{where}: {field} must be a positive integer, got {value!r}")
         for field in ("memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "peak_flops", "memory_bandwidth"):
             value = getattr(self, field)
-            if not _is_number(value) or not value > 0 or math.isinf(value):
+            if not is_finite_number(value) or not value > 0:
                 raise ClusterSpecError(f"{where}: {field} must be a positive finite number, got {value!r:.60}")
-        if not _is_number(self.latency_s) or not 0 <= self.latency_s < 1:
+        if not is_finite_number(self.latency_s) or not 0 <= self.latency_s < 1:
             raise ClusterSpecError(f"{where}: latency_s must be in [0, 1) seconds, got {self.latency_s!r}")
-        if not _is_number(self.op_overhead_ms) or not 0 <= self.op_overhead_ms < 1e3:
+        if not is_finite_number(self.op_overhead_ms) or not 0 <= self.op_overhead_ms < 1e3:
             raise ClusterSpecError(f"{where}: op_overhead_ms must be in [0, 1000), got {self.op_overhead_ms!r}")
-        if not _is_number(self.message_overhead_ms) or not 0 <= self.message_overhead_ms < 1e3:
+        if not is_finite_number(self.message_overhead_ms) or not 0 <= self.message_overhead_ms < 1e3:
             raise ClusterSpecError(f"{where}: message_overhead_ms must be in [0, 1000), got {self.message_overhead_ms!r}")
-        if not _is_number(self.message_copy_bandwidth) or not 0 <= self.message_copy_bandwidth < math.inf:
+        if not is_finite_number(self.message_copy_bandwidth) or not self.message_copy_bandwidth >= 0:
             raise ClusterSpecError(f"{where}: message_copy_bandwidth must be a finite number >= 0 (bytes/s; 0: no host "
                                    f"copy), got {self.message_copy_bandwidth!r}")
-        if not _is_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
+        if not is_finite_number(self.flops_efficiency) or not 0 < self.flops_efficiency <= 1:
             raise ClusterSpecError(f"{where}: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
         if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ClusterSpecError(f"{where}: data_parallel must be a positive integer, got {self.data_parallel!r}")
-        if not _is_number(self.data_parallel_bandwidth) or not 0 <= self.data_parallel_bandwidth < math.inf:
+        if not is_finite_number(self.data_parallel_bandwidth) or not self.data_parallel_bandwidth >= 0:
             raise ClusterSpecError(f"{where}: data_parallel_bandwidth must be a finite number >= 0 (bytes/s; 0: the "
                                    f"node's), got {self.data_parallel_bandwidth!r}")
         if self.backend not in ("nccl", "gloo"):
@@ -252,16 +252,6 @@ def _coerce(key: str, value: Any) -> Any:
         except ValueError:
             return value
     return value
-
-
-def _is_number(value: object) -> bool:
-    """A real number a float can hold (an int of 400 digits cannot)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return not math.isnan(float(value))
-    except OverflowError:
-        return False
 
 
 _PRESET_NAME = re.compile(r"^(h100|h800|h200|a100|cpu)(?:x([0-9]{1,9}))?(?:-(ib|roce))?$")

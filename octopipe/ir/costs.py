@@ -67,8 +67,8 @@ _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_ac
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z][A-Za-z0-9_]*)"
-                            r"|(?P<op>\*\*|[-+*/(),]))")
+_FORMULA_TOKEN = re.compile(r"\s*(?:(?P<number>(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)"
+                            r"|(?P<name>[A-Za-z][A-Za-z0-9_]*)|(?P<op>\*\*|[-+*/(),]))")
 MAX_BYTES = 2**62
 """A layer's byte counts are below this (a float holds them exactly enough; 10**400 does not fit one)."""
 MAX_FORMULA_EXPONENT = 16
@@ -194,7 +194,7 @@ class CostTable:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise CostTableError(f"cost table {self.model!r}: has no layers")
-        if not _is_number(self.weight_fraction):
+        if not is_finite_number(self.weight_fraction):
             raise CostTableError(f"cost table {self.model!r}: weight_fraction must be a number in [0, 1], got "
                                  f"{self.weight_fraction!r:.40}")
         for name, items, kind in (("layers", self.layers, LayerCost), ("tied", self.tied, TiedParameter),
@@ -478,7 +478,7 @@ class CostTable:
         if not isinstance(raw_layers, list) or not raw_layers:
             raise CostTableError(f"{source}: 'layers' must be a non-empty list of layer objects")
         weight_fraction = data.get("weight_fraction", DEFAULT_WEIGHT_FRACTION)
-        if not _is_number(weight_fraction) or not 0 <= weight_fraction <= 1:
+        if not is_finite_number(weight_fraction) or not 0 <= weight_fraction <= 1:
             raise CostTableError(f"{source}: 'weight_fraction' must be a number in [0, 1], got {weight_fraction!r}")
         for key in data:
             close = difflib.get_close_matches(str(key), _TABLE_KEYS, n=1, cutoff=0.75)
@@ -505,7 +505,7 @@ class CostTable:
                                  f"{type(raw_skips).__name__}")
         skips = tuple(_skip_from_dict(raw, index, source, len(layers)) for index, raw in enumerate(raw_skips))
         num_microbatches = data.get("num_microbatches")
-        if num_microbatches is not None and (not _is_number(num_microbatches) or not float(num_microbatches).is_integer()
+        if num_microbatches is not None and (not is_finite_number(num_microbatches) or not float(num_microbatches).is_integer()
                                              or not 1 <= num_microbatches <= 2**31):
             raise CostTableError(f"{source}: 'num_microbatches' must be a positive integer (the microbatches its "
                                  f"gradient accumulation was costed for), got {num_microbatches!r}")
@@ -535,7 +535,8 @@ class CostTable:
         return table
 
 
-def _is_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool) that a float holds finitely: no NaN, no inf, no 400-digit int."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
     try:
@@ -607,7 +608,7 @@ def _layer_from_dict(raw: Any, index: int, source: str) -> LayerCost:
     if not isinstance(formulas, dict) or not all(isinstance(v, str) for v in formulas.values()):
         raise CostTableError(f"{where}: field 'formulas' must map names to expression strings")
     for key in _BYTE_FIELDS:
-        if key in values and _is_number(values[key]) and float(values[key]).is_integer():
+        if key in values and is_finite_number(values[key]) and float(values[key]).is_integer():
             values[key] = int(values[key])
     layer = LayerCost(name=name, kind=kind, formulas=tuple(formulas.items()), **values)
     _check_layer(layer, where)
@@ -623,7 +624,7 @@ def _tied_from_dict(raw: Any, index: int, source: str, num_layers: int) -> TiedP
         raise CostTableError(f"{where}: 'name' must be a non-empty string, got {name!r}")
     if not isinstance(layers, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
         raise CostTableError(f"{where} ({name!r}): 'layers' must be a list of layer indices, got {layers!r}")
-    if _is_number(size) and float(size).is_integer():
+    if is_finite_number(size) and float(size).is_integer():
         size = int(size)
     tied = TiedParameter(name, tuple(layers), size)
     _check_tied(tied, num_layers, f"{where} ({name!r})")
@@ -641,7 +642,7 @@ def _skip_from_dict(raw: Any, index: int, source: str, num_layers: int) -> SkipT
         raise CostTableError(f"{where} ({name!r}): 'from' must be a layer index, got {producer!r}")
     if not isinstance(consumers, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in consumers):
         raise CostTableError(f"{where} ({name!r}): 'to' must be a list of layer indices, got {consumers!r}")
-    if _is_number(size) and float(size).is_integer():
+    if is_finite_number(size) and float(size).is_integer():
         size = int(size)
     skip = SkipTensor(name, producer, tuple(consumers), size)
     _check_skip(skip, num_layers, f"{where} ({name!r})")
@@ -681,7 +682,7 @@ def _check_layer(layer: LayerCost, where: str) -> None:
         value = getattr(layer, key)
         if value is None and key in _OPTIONAL_TIME_FIELDS:
             continue
-        if not _is_number(value) or not 0 <= value <= MAX_LAYER_MS:
+        if not is_finite_number(value) or not 0 <= value <= MAX_LAYER_MS:
             raise CostTableError(f"{where}: field {key!r} must be a number of milliseconds in [0, {MAX_LAYER_MS:.0e}] "
                                  f"(per layer and microbatch), got {value!r}{_yaml_hint(value)}")
     if (layer.accumulate_weight_ms or 0.0) > (layer.accumulate_ms or 0.0):
@@ -728,7 +729,7 @@ class _FormulaError(Exception):
 
 @functools.lru_cache(maxsize=8192)
 def _parse_formula(text: str) -> sympy.Expr:
-    position, previous, count, commas = 0, None, 0, 0
+    position, previous, count, commas, names = 0, None, 0, 0, {}
     while position < len(text):
         match = _FORMULA_TOKEN.match(text, position)
         if match is None or match.end() == position:
@@ -740,8 +741,11 @@ def _parse_formula(text: str) -> sympy.Expr:
                 and previous.group("name") not in FORMULA_FUNCTIONS:
             raise _FormulaError(f"{previous.group('name')!r} is not a formula function in {text!r}; use "
                                + ", ".join(sorted(FORMULA_FUNCTIONS)))
-        if keyword.iskeyword(match.group("name") or ""):
-            raise _FormulaError(f"{match.group('name')!r} in {text!r} is a Python keyword, not a symbol")
+        name = match.group("name")
+        if name is not None and keyword.iskeyword(name):
+            raise _FormulaError(f"{name!r} in {text!r} is a Python keyword, not a symbol")
+        if name is not None and name not in FORMULA_FUNCTIONS:
+            names[name] = sympy.Symbol(name)
         previous, position, count = match, match.end(), count + 1
         commas += match.group("op") == ","
         if commas > MAX_FORMULA_ARGUMENTS:  # sympy's Min and Max take seconds for a hundred
@@ -750,8 +754,6 @@ def _parse_formula(text: str) -> sympy.Expr:
             raise _FormulaError(f"{text[:40]!r}... is longer than {MAX_FORMULA_TOKENS} numbers, names and operators")
     if previous is None:
         raise _FormulaError("the formula is empty")
-    names = {name: sympy.Symbol(name) for name in re.findall(r"[A-Za-z][A-Za-z0-9_]*", text)
-             if name not in FORMULA_FUNCTIONS}
     try:
         unevaluated = sympy.sympify(text, locals=names, evaluate=False)
     except (sympy.SympifyError, SyntaxError, TypeError, ValueError, RecursionError):

@@ -35,7 +35,8 @@ class OpKind(str, Enum):
         return self.value
 
 
-_OP_PATTERN = re.compile(r"^([0-9]{1,18})([FBW])([0-9]{1,18})$")
+_COUNT = r"([0-9]{1,18})"  # an index or count in plan text: ASCII digits, at most 18 (a 64-bit int)
+_OP_PATTERN = re.compile(rf"^{_COUNT}([FBW]){_COUNT}$")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -100,6 +101,12 @@ class Stage:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_flags(name: str, flags: object) -> None:
+    """Per-stage flags are a sequence of booleans (a string or None is a mistake)."""
+    if not isinstance(flags, Sequence) or isinstance(flags, str) or not all(isinstance(f, (bool, int)) for f in flags):
+        raise PlanError(f"with_recompute: {name} must be a list of per-stage booleans, got {flags!r:.60}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +205,9 @@ class PipelinePlan:
     def with_recompute(self, recompute: Sequence[bool], selective: Sequence[bool] | None = None) -> PipelinePlan:
         """The same plan with these per-stage recomputation flags (and selective ones; None: none
         where `recompute` is set, the plan's own elsewhere)."""
-        for name, flags in (("recompute", recompute), ("selective", selective)):
-            if (flags is not None or name == "recompute") and (not isinstance(flags, Sequence) or isinstance(flags, str)
-                                      or not all(isinstance(flag, (bool, int)) for flag in flags)):
-                raise PlanError(f"with_recompute: {name} must be a list of per-stage booleans, got {flags!r:.60}")
+        _check_flags("recompute", recompute)
+        if selective is not None:
+            _check_flags("selective", selective)
         if len(recompute) != self.num_stages:
             raise PlanError(f"{len(recompute)} recompute flags for a plan of {self.num_stages} stages")
         if selective is None:
@@ -224,19 +230,12 @@ class PipelinePlan:
             raise PlanError(f"plan needs devices >= 1 and microbatches >= 1, got {self.num_devices}, {self.num_microbatches}")
         if not self.stages:
             raise PlanError("plan has no stages")
+        expected_start = 0
         for position, stage in enumerate(self.stages):
             if not isinstance(stage, Stage) or not all(map(_is_int, (stage.index, stage.layer_start, stage.layer_end,
                                                                      stage.device))):
                 raise PlanError(f"stage at position {position} must be a Stage of integers (PipelinePlan.build makes "
                                 f"them), got {stage!r:.80}")
-        for device, ops in enumerate(self.device_ops):
-            for op in ops:
-                if not isinstance(op, Op) or not isinstance(op.kind, OpKind) or not _is_int(op.stage) \
-                        or not _is_int(op.microbatch):
-                    raise PlanError(f"device {device}: {op!r:.40} is not an Op (Op.parse('0F0'), or F(stage, "
-                                    "microbatch), B(...), W(...))")
-        expected_start = 0
-        for position, stage in enumerate(self.stages):
             if stage.index != position:
                 raise PlanError(f"stage at position {position} is numbered {stage.index}; stages must be numbered 0, 1, ...")
             if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
@@ -252,6 +251,10 @@ class PipelinePlan:
         seen: dict[Op, tuple[int, int]] = {}
         for device, ops in enumerate(self.device_ops):
             for step, op in enumerate(ops):
+                if not isinstance(op, Op) or not isinstance(op.kind, OpKind) or not _is_int(op.stage) \
+                        or not _is_int(op.microbatch):
+                    raise PlanError(f"device {device} step {step}: {op!r:.40} is not an Op (Op.parse('0F0'), or "
+                                    "F(stage, microbatch), B(...), W(...))")
                 where = (device, step)
                 if not 0 <= op.stage < self.num_stages or not 0 <= op.microbatch < self.num_microbatches:
                     raise PlanError(
@@ -299,7 +302,7 @@ class PipelinePlan:
         if not lines:
             raise ParseError("plan text is empty")
         number, head = lines[0]
-        match = re.fullmatch(r"plan devices=([0-9]{1,18}) microbatches=([0-9]{1,18}) stages=([0-9]{1,18})", head)
+        match = re.fullmatch(rf"plan devices={_COUNT} microbatches={_COUNT} stages={_COUNT}", head)
         if not match:
             raise ParseError(f"line {number}: expected 'plan devices=N microbatches=M stages=S' (counts of at most 18 "
                              f"digits), got {head!r:.80}")
@@ -308,7 +311,7 @@ class PipelinePlan:
         device_ops: dict[int, tuple[Op, ...]] = {}
         for number, line in lines[1:]:
             if line.startswith("stage "):
-                match = re.fullmatch(r"stage ([0-9]{1,18}) layers=([0-9]{1,18}):([0-9]{1,18}) device=([0-9]{1,18})( recompute| selective)?", line)
+                match = re.fullmatch(rf"stage {_COUNT} layers={_COUNT}:{_COUNT} device={_COUNT}( recompute| selective)?", line)
                 if not match:
                     raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D' (and ' recompute' where the "
                                      f"stage recomputes its activations, ' selective' where it recomputes the cheap "
@@ -316,7 +319,7 @@ class PipelinePlan:
                 stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) == " recompute",
                                     selective=match.group(5) == " selective"))
             elif line.startswith("device "):
-                match = re.fullmatch(r"device ([0-9]{1,18}):(.*)", line)
+                match = re.fullmatch(rf"device {_COUNT}:(.*)", line)
                 if not match:
                     raise ParseError(f"line {number}: expected 'device D: ops...', got {line!r}")
                 device = int(match.group(1))
@@ -426,7 +429,7 @@ class PipelinePlan:
                 cell = cell.strip()
                 if not cell:
                     continue  # PyTorch writes empty cells for idle steps
-                match = re.fullmatch(r"([0-9]{1,18})([FIBW])([0-9]{1,18})", cell)
+                match = re.fullmatch(rf"{_COUNT}([FIBW]){_COUNT}", cell)
                 if not match:
                     raise ParseError(f"torch CSV row {rank}: unsupported action {cell!r}; only F, I, B, W compute actions import")
                 stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))

@@ -283,6 +283,7 @@ class SymValue:
 
 
 def _check_seq_dims_type(seq_dims: Any) -> None:
+    """seq_dims is None or a mapping (the caches key on its items)."""
     if seq_dims is not None and not isinstance(seq_dims, Mapping):
         raise ArgumentError(f"seq_dims must map input names to a dim or None, like {{'input_ids': 1}}, got "
                             f"{type(seq_dims).__name__}")
@@ -292,11 +293,9 @@ def _input_axes(
     graph: LayerGraph, seq_dims: Mapping[str, int | None] | None
 ) -> dict[str, tuple[int | None, int | None]]:
     """Per input: (batch dim, sequence dim)."""
+    _check_seq_dims_type(seq_dims)
     names = [node.name for node in graph.module.graph.nodes if node.op == "placeholder"]
     if seq_dims is not None:
-        if not isinstance(seq_dims, Mapping):
-            raise ArgumentError(f"seq_dims must map input names to a dim or None, like {{{names[0]!r}: 1}}, got "
-                                f"{type(seq_dims).__name__}")
         unknown = sorted(set(seq_dims) - set(names), key=str)
         if unknown:
             raise ArgumentError(f"seq_dims names {unknown}, which are not inputs of the traced model; its inputs are "
@@ -1253,7 +1252,6 @@ def layer_formulas(
     the fit, and the values are numbers: the check that the fitted formulas are right.
     """
     if at is None:
-        _check_seq_dims_type(seq_dims)
         works = _symbolic_works(graph, dtype_bytes, seq_dims)
     else:
         axes = _input_axes(graph, seq_dims)
@@ -1267,6 +1265,7 @@ def _symbolic_works(graph: LayerGraph, dtype_bytes: int, seq_dims: Mapping[str, 
     the graph, the dtype and the sequence dims, not on the cluster or the sizes asked for)."""
     if graph.module is None:
         raise OctopipeError("costs: this LayerGraph has no traced module (it was parsed from text); trace the model")
+    _check_seq_dims_type(seq_dims)  # before it is a cache key
     cache = graph.module.meta.setdefault("octopipe.works", {})
     key = (dtype_bytes, tuple(sorted((seq_dims or {}).items())))
     if key not in cache:
@@ -1295,7 +1294,6 @@ def analytic_costs(
         raise OctopipeError(
             "analytic_costs: this LayerGraph has no traced module (it was parsed from text); trace the model"
         )
-    _check_seq_dims_type(seq_dims)
     works = _symbolic_works(graph, dtype_bytes, seq_dims)
     if seq_len is None:
         _, seq_len = _example_sizes(graph, _input_axes(graph, seq_dims))
