@@ -19,7 +19,11 @@ relative error: each plan's measured time over the model's 1F1B run divided by t
 predicted. A control: the 1F1B plan is compiled twice and both copies run in the rotation; how
 far apart the two identical pipelines measure ("noise floor") is what this machine alone adds
 to an error in that run. Also printed: the errors had the rotation's profile priced each op at a
-10%-trimmed mean of its durations instead of the mean (the measured step is a median step).
+10%-trimmed mean of its durations instead of the mean (the measured step is a median step); and,
+per plan, where its error comes from: `ops`, the time its instructions ran (compute and message
+posting, all ranks, per step) against the simulated busy time (the profile's prices of its
+ops), and `idle ms`, the predicted against the measured idle time per rank (the waits, the
+simulator's schedule and transfers).
 
     python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
@@ -61,11 +65,12 @@ def main() -> None:
     print(f"2 CPU processes (gloo, 1 thread each); link {calibrated.latency_s * 1e6:.0f} us, "
           f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {num_microbatches} microbatches")
     print(f"{'model':<11} {'plan':<26} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'relative':>9} "
-          f"{'earlier ms':>10} {'error':>8}")
+          f"{'earlier ms':>10} {'error':>8} {'ops':>7} {'idle ms':>13}")
     errors = []
     relative_errors = []
     earlier_errors = []
     trimmed_errors = []
+    op_errors = []
     floors = []
     for name in args.models.split(","):
         model, inputs, target = build(name)
@@ -85,17 +90,25 @@ def main() -> None:
                  for plan in [*plans.values(), plans["1f1b/balanced"]]]
         timings, (now, trimmed) = measure_with_profiles(pipes, probe, inputs, target, trims=(0.0, TRIM),
                                                         steps=args.steps, warmup=1, op_overhead_ms=cluster.op_overhead_ms,
-                                                        rewarm=not args.no_rewarm)
+                                                        rewarm=not args.no_rewarm, busy=True)
         control = timings.pop()
         pipes.pop()
         floors.append(abs(control.median_ms / timings[0].median_ms - 1))
-        predictions = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)).iteration_ms for plan in plans.values()]
+        simulated = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)) for plan in plans.values()]
+        predictions = [sim.iteration_ms for sim in simulated]
         trimmed_errors += [abs(timing.median_ms / octopipe.simulate(plan, trimmed.costs,
                                                                      trimmed.calibrate(cluster)).iteration_ms - 1)
                            for plan, timing in zip(plans.values(), timings)]
         reference_predicted, reference_measured = predictions[0], timings[0].median_ms
-        for (label, _), pipe, timing, predicted in zip(plans.items(), pipes, timings, predictions):
+        for (label, _), pipe, timing, sim in zip(plans.items(), pipes, timings, simulated):
+            predicted = sim.iteration_ms
             error = timing.median_ms / predicted - 1
+            # where the error comes from: the ops' prices (measured instruction time against the
+            # simulated busy time, all ranks) or the waits between them (idle per rank)
+            ops = sum(timing.busy_ms) / sum(sim.device_busy_ms) - 1
+            op_errors.append(abs(ops))
+            idle_predicted = statistics.mean(sim.device_idle_ms)
+            idle_measured = statistics.mean(timing.median_ms - busy for busy in timing.busy_ms)
             errors.append(abs(error))
             relative = (timing.median_ms / reference_measured) / (predicted / reference_predicted) - 1
             if pipe is not pipes[0]:
@@ -103,7 +116,8 @@ def main() -> None:
             earlier = pipe.simulation.iteration_ms
             earlier_errors.append(abs(timing.median_ms / earlier - 1))
             print(f"{name:<11} {label:<26} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+8.1%} {relative:>+9.1%} "
-                  f"{earlier:>10.1f} {timing.median_ms / earlier - 1:>+8.1%}")
+                  f"{earlier:>10.1f} {timing.median_ms / earlier - 1:>+8.1%} {ops:>+7.1%} "
+                  f"{idle_predicted:>6.1f}>{idle_measured:<6.1f}")
         print(f"{name:<11} {'1f1b/balanced, 2nd copy':<26} {'':>12} {control.median_ms:>12.1f} "
               f"{'':>8} {control.median_ms / timings[0].median_ms - 1:>+9.1%}  (noise floor: the same plan again)")
     print(f"\nmean |error| {statistics.mean(errors):.1%}, max |error| {max(errors):.1%} over {len(errors)} runs "
@@ -113,6 +127,9 @@ def main() -> None:
     print(f"predicted from the same rotation's profile with each op's time a {TRIM:.0%}-trimmed mean instead of the "
           f"mean (the measured step is a median): mean |error| {statistics.mean(trimmed_errors):.1%}, max "
           f"{max(trimmed_errors):.1%}")
+    print(f"the ops' measured time (compute and message posting, all ranks) against the simulated busy time: mean "
+          f"|error| {statistics.mean(op_errors):.1%}, max {max(op_errors):.1%} (column 'ops'; 'idle ms' = predicted > "
+          f"measured idle per rank: the waits)")
     print(f"noise floor: the same 1F1B plan run twice in one rotation measured {statistics.mean(floors):.1%} apart on "
           f"average, at most {max(floors):.1%} ({', '.join(f'{f:.1%}' for f in floors)})")
     print(f"relative to the same model's {SCHEDULES[0]}/balanced in the same run (machine speed drift cancels): mean |error| "

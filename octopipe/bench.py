@@ -29,6 +29,10 @@ consumer stage) for sends and receives."""
 class StepTiming:
     step_ms: tuple[float, ...]
     losses: tuple[float, ...]
+    busy_ms: tuple[float, ...] = ()
+    """Per rank, where recorded (`measure_with_profiles(busy=True)`): the mean time per timed step
+    its instructions ran, compute and message posting (waits for a message not counted), the
+    measured counterpart of `SimResult.device_busy_ms`; empty where not recorded."""
 
     @property
     def median_ms(self) -> float:
@@ -168,12 +172,18 @@ def measure_with_profile(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequ
 
 def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Sequence[Any], target: Any, *,
                           trims: Sequence[float] = (0.0,), steps: int = 5, warmup: int = 2, op_overhead_ms: float = 0.0,
-                          timeout_s: float = 600.0, rewarm: bool = False) -> tuple[list[StepTiming], list[RuntimeProfile]]:
+                          timeout_s: float = 600.0, rewarm: bool = False, busy: bool = False
+                          ) -> tuple[list[StepTiming], list[RuntimeProfile]]:
     """`measure_with_profile` with one profile per `trims` entry (`RuntimeProbe.profile`'s
-    `trim`), all from the same measured durations."""
+    `trim`), all from the same measured durations. `busy`: also time the instructions of `pipes`
+    (each timing's `busy_ms`), to tell an error in the ops' prices from one in the waits."""
     extra = len(probe.pipes)
-    timings, durations = _measure(list(pipes) + list(probe.pipes), [False] * len(pipes) + [True] * extra, inputs,
+    timings, durations = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra, inputs,
                                   target, steps, warmup, 0.0, timeout_s, rewarm)
+    if busy:
+        timings = [replace(timing, busy_ms=tuple(sum(map(sum, rank[index].values())) / len(timing.step_ms)
+                                                 for rank in durations))
+                   for index, timing in enumerate(timings[:len(pipes)])] + timings[len(pipes):]
     runs = [run for rank in durations for run in rank[-extra:]]
     return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim) for trim in trims]
 

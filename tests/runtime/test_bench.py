@@ -228,3 +228,27 @@ def test_a_trimmed_profile_drops_each_ops_outliers():
     assert trimmed.costs.layers[0].backward_ms == pytest.approx(4.0)  # symmetric: the mean of the middle
     with pytest.raises(ValueError, match="trim"):
         probe.profile(durations, trim=0.5)
+
+
+def test_busy_time_of_measured_pipes_is_recorded_per_rank_on_request():
+    import octopipe
+    from octopipe.bench import measure_with_profiles, runtime_probe
+
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=4)
+    target = models.example_target("llama", "tiny", batch_size=4)
+    probe = runtime_probe(model, inputs, target, models.lm_loss, 2, fused=False)
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
+    pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                              num_microbatches=2, costs=probe.sizes, schedule=name, quiet=True)
+             for name in ("1f1b", "zb-h1")]
+    timings, _ = measure_with_profiles(pipes, probe, inputs, target, steps=2, warmup=1, busy=True)
+    assert len(timings) == 2
+    for timing in timings:
+        assert len(timing.busy_ms) == 2  # one per rank
+        # every instruction runs between the step's two barriers: busy within the step, and a
+        # rank with stages did run something
+        assert all(0 < busy <= max(timing.step_ms) for busy in timing.busy_ms)
+    plain, _ = measure_with_profiles(pipes[:1], probe, inputs, target, steps=1, warmup=0)
+    assert plain[0].busy_ms == ()
