@@ -85,8 +85,8 @@ def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -
 
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
-                  optimizer: str = "sgd", clip_grad: float | None = None
-                  ) -> tuple[list[StepTiming], list[Durations]]:
+                  optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False
+                  ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -96,6 +96,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
+    link_rounds: list[list[float]] = []
+    link_buffers = _link_buffers(LINK_SIZES) if link else []
 
     def after_step(engine: Any, optimizer: Any) -> None:
         if clip_grad is not None:
@@ -131,7 +133,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                         continue
                     durations[index].setdefault(key, []).append((end - begin) * 1e3)
                 engine.timeline = None
-    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)], durations
+        if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
+            link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
+    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -178,19 +182,22 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
     `trim`), all from the same measured durations. `busy`: also time the instructions of `pipes`
     (each timing's `busy_ms`), to tell an error in the ops' prices from one in the waits."""
     extra = len(probe.pipes)
-    timings, durations = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra, inputs,
-                                  target, steps, warmup, 0.0, timeout_s, rewarm)
+    timings, durations, link = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra,
+                                        inputs, target, steps, warmup, 0.0, timeout_s, rewarm, link=True)
     if busy:
         timings = [replace(timing, busy_ms=tuple(sum(map(sum, rank[index].values())) / len(timing.step_ms)
                                                  for rank in durations))
                    for index, timing in enumerate(timings[:len(pipes)])] + timings[len(pipes):]
     runs = [run for rank in durations for run in rank[-extra:]]
-    return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim) for trim in trims]
+    return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim, link=link) for trim in trims]
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
-             clip_grad: float | None = None) -> tuple[list[StepTiming], list[list[Durations]]]:
+             clip_grad: float | None = None, link: bool = False
+             ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
+    """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
+    LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians)."""
     from octopipe.runtime import launch
 
     sizes = {pipe.world_size for pipe in pipes}
@@ -198,34 +205,60 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
-                                                        learning_rate, tuple(probes), rewarm, optimizer, clip_grad),
+                                                        learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
+                                                        link),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
-    return results[0][0], [durations for _, durations in results]
+    rounds = results[0][2]
+    return results[0][0], [durations for _, durations, _ in results], \
+        [min(values) for values in zip(*rounds)] if rounds else None
+
+
+LINK_SIZES = (4, 4 * 2**20)
+"""The ping-pong's message sizes (bytes): the small one gives the latency, the large one the
+bandwidth (`_link`)."""
+LINK_REPEATS = 5
+"""Ping-pongs per size in each round of a measured rotation (`RuntimeProfile.latency_s`)."""
 
 
 def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: int, rounds: int = 1
                      ) -> list[float]:
     """One-way time of each message size: the median of `repeats` ping-pongs, in each of
     `rounds` rounds (sizes alternating), and the least of the round medians."""
+    buffers = _link_buffers(sizes)
+    medians = [_pingpong(rank, buffers, repeats) for _ in range(rounds)]
+    return [min(values) for values in zip(*medians)]
+
+
+def _link_buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
+    return [torch.zeros(size // 4, dtype=torch.float32) for size in sizes]
+
+
+def _pingpong(rank: int, buffers: Sequence[torch.Tensor], repeats: int) -> list[float]:
+    """Per buffer, the median one-way time (s) of `repeats` ping-pongs between ranks 0 and 1
+    (other ranks only join the barriers)."""
     import torch.distributed as dist
 
-    buffers = [torch.zeros(size // 4, dtype=torch.float32) for size in sizes]
-    medians: list[list[float]] = [[] for _ in sizes]
-    for _ in range(rounds):
-        for index, buffer in enumerate(buffers):
-            samples = []
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                if rank == 0:
-                    dist.send(buffer, 1)
-                    dist.recv(buffer, 1)
-                else:
-                    dist.recv(buffer, 0)
-                    dist.send(buffer, 0)
-                samples.append((time.perf_counter() - start) / 2)
-            medians[index].append(statistics.median(samples))
-    return [min(values) for values in medians]
+    result = []
+    for buffer in buffers:
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            samples.append((time.perf_counter() - start) / 2)
+        result.append(statistics.median(samples))
+    return result
+
+
+def _link(one_way: Sequence[float]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) from the one-way times of the LINK_SIZES messages."""
+    latency = max(one_way[0], 1e-6)
+    return latency, LINK_SIZES[1] / max(one_way[1] - latency, 1e-9)
 
 
 def _clear_grads(engine: Any) -> None:
@@ -243,10 +276,7 @@ def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> 
     from the profiled steps."""
     from octopipe.runtime import launch
 
-    small, large = 4, 4 * 2**20
-    one_way = launch(_pingpong_worker, 2, args=((small, large), 20, 3), backend="gloo")[0]
-    latency = max(one_way[0], 1e-6)
-    bandwidth = large / max(one_way[1] - latency, 1e-9)
+    latency, bandwidth = _link(launch(_pingpong_worker, 2, args=(LINK_SIZES, 20, 3), backend="gloo")[0])
     base = base or ClusterSpec.preset("cpu", num_devices=num_devices)
     return replace(base, num_devices=num_devices, latency_s=latency, intra_node_bandwidth=bandwidth,
                    inter_node_bandwidth=bandwidth, message_copy_bandwidth=bandwidth, op_overhead_ms=measure_op_overhead_ms(),
@@ -316,12 +346,24 @@ class RuntimeProfile:
     sizes and both processes busy (None when the probe exchanged no message)."""
     message_bytes: float | None = None
     """Mean size of those messages (None: not known)."""
+    latency_s: float | None = None
+    bandwidth: float | None = None
+    """The link between the processes (s, bytes/s), ping-ponged between the rounds of the same
+    rotation (`LINK_SIZES`; the least of the rounds' medians); None: not measured."""
 
     def calibrate(self, cluster: ClusterSpec) -> ClusterSpec:
-        """`cluster` with this profile's per-message host time (unchanged when none was measured).
-        A send instruction's time includes the sender's copy of the bytes, which the simulator
-        charges separately where `cluster.message_copy_bandwidth` is set: that copy, half the
-        instructions' share, comes out of the posting time."""
+        """`cluster` with this profile's link and per-message host time (each unchanged when not
+        measured). The link replaces the latency and both bandwidths, and the host-copy bandwidth
+        where `cluster` has one (gloo on CPU): a profile's minutes, not an earlier calibration's,
+        price a message (this VM's ping-pong bandwidth moved 1.9-4.6 GB/s between launches, and
+        a plan sending 12 MB logits across moved 12% with it). A send instruction's time includes
+        the sender's copy of the bytes, which the simulator charges separately where
+        `cluster.message_copy_bandwidth` is set: that copy, half the instructions' share, comes out
+        of the posting time."""
+        if self.latency_s is not None and self.bandwidth is not None:
+            cluster = replace(cluster, latency_s=self.latency_s, intra_node_bandwidth=self.bandwidth,
+                              inter_node_bandwidth=self.bandwidth,
+                              message_copy_bandwidth=self.bandwidth if cluster.message_copy_bandwidth else 0.0)
         if self.message_overhead_ms is None:
             return cluster
         overhead = self.message_overhead_ms
@@ -347,20 +389,22 @@ class RuntimeProbe:
 
     def run(self, inputs: Sequence[Any], target: Any, *, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
             timeout_s: float = 600.0, rewarm: bool = True) -> RuntimeProfile:
-        """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile.
-        `rewarm` (see `measure_many`): each timed step right after an untimed one of the same pipe."""
-        _, durations = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0, timeout_s,
-                                rewarm)
-        return self.profile([run for rank in durations for run in rank], op_overhead_ms)
+        """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile
+        (with the link ping-ponged between rounds). `rewarm` (see `measure_many`): each timed step
+        right after an untimed one of the same pipe."""
+        _, durations, link = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0,
+                                      timeout_s, rewarm, link=True)
+        return self.profile([run for rank in durations for run in rank], op_overhead_ms, link=link)
 
-    def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0, *, trim: float = 0.0
-                ) -> RuntimeProfile:
+    def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0, *, trim: float = 0.0,
+                link: Sequence[float] | None = None) -> RuntimeProfile:
         """The profile from the instructions' durations (ms) each rank recorded running `pipes`
         (one dict per rank and pipe, in any order): per layer and op kind, the mean over
         microbatches and steps minus `op_overhead_ms` (the simulator adds that per op); per
         message, the mean time of its send and receive instructions. `trim`: the share of each
         op's durations dropped at either end before the mean (0: the plain mean; the fidelity
-        benchmark compares 0.1)."""
+        benchmark compares 0.1). `link`: one-way times (s) of the LINK_SIZES messages measured
+        beside them, for the profile's latency and bandwidth."""
         if not 0 <= trim < 0.5:
             raise ValueError(f"RuntimeProbe.profile: trim must be in [0, 0.5), got {trim!r}")
         merged: Durations = {}
@@ -388,15 +432,17 @@ class RuntimeProbe:
                     selective_activation_bytes=None, selective_recompute_ms=None)
             for i, layer in enumerate(self.sizes.layers)
         ), num_microbatches=None)
+        latency, bandwidth = _link(link) if link else (None, None)
         messages = {key[1:]: values for key, values in merged.items() if key[0] == MESSAGE}
         if not messages:
-            return RuntimeProfile(costs, None)
+            return RuntimeProfile(costs, None, latency_s=latency, bandwidth=bandwidth)
         stages = StageCosts.of(tuple(range(len(self.sizes) + 1)), self.sizes)  # the probe: a stage per layer
         size_of = {(a, a + 1): size for a, size in enumerate(stages.output)}
         size_of.update({(a, c): size for a, c, size in stages.skips})
         count = sum(len(values) for values in messages.values())
         return RuntimeProfile(costs, sum(sum(values) for values in messages.values()) / count,
-                              sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count)
+                              sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count,
+                              latency, bandwidth)
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

@@ -60,11 +60,20 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     # the groups meet at one layer boundary: every message is that layer's output
     last_of_first_group = probe.pipe.plan.placement.index(1) - 1
     assert profile.message_bytes == probe.sizes.output[last_of_first_group]
+    # the link was ping-ponged between the rotation's rounds: it replaces the cluster's, and the
+    # host-copy bandwidth where the cluster has one
+    assert 0 < profile.latency_s < 0.05 and profile.bandwidth > 1e7
+    calibrated = profile.calibrate(cluster)
+    assert (calibrated.latency_s, calibrated.intra_node_bandwidth, calibrated.inter_node_bandwidth,
+            calibrated.message_copy_bandwidth) == (profile.latency_s, *[profile.bandwidth] * 3)
     # a send's time includes the sender's copy, which the simulator charges by message_copy_bandwidth
-    copy_ms = profile.message_bytes / cluster.message_copy_bandwidth * 1e3
-    assert profile.calibrate(cluster).message_overhead_ms == pytest.approx(profile.message_overhead_ms - copy_ms / 2)
+    copy_ms = profile.message_bytes / profile.bandwidth * 1e3
+    assert calibrated.message_overhead_ms == pytest.approx(profile.message_overhead_ms - copy_ms / 2)
     no_copy = dataclasses.replace(cluster, message_copy_bandwidth=0.0)
     assert profile.calibrate(no_copy).message_overhead_ms == profile.message_overhead_ms
+    assert profile.calibrate(no_copy).message_copy_bandwidth == 0.0
+    unmeasured = dataclasses.replace(profile, latency_s=None, bandwidth=None)
+    assert unmeasured.calibrate(cluster).latency_s == cluster.latency_s
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
     # the fused probe (1F1B order) times each layer's full backward too
@@ -157,7 +166,8 @@ def test_probe_records_only_the_timed_steps_when_rewarmed():
     target = models.example_target("llama", "tiny", batch_size=4)
     probe = runtime_probe(model, inputs, target, models.lm_loss, 2, fused=False)
     for rewarm in (False, True):
-        _, durations = _measure([probe.pipe], [True], inputs, target, 2, 1, 0.0, 120.0, rewarm)
+        _, durations, link = _measure([probe.pipe], [True], inputs, target, 2, 1, 0.0, 120.0, rewarm)
+        assert link is None  # not asked for
         forwards = [len(run[("forward", stage)]) for rank in durations for run in rank
                     for stage in range(len(probe.sizes)) if ("forward", stage) in run]
         # 2 timed steps x 2 microbatches per layer: neither the warm-up nor the untimed rewarm
