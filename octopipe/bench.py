@@ -30,9 +30,10 @@ class StepTiming:
     step_ms: tuple[float, ...]
     losses: tuple[float, ...]
     busy_ms: tuple[float, ...] = ()
-    """Per rank, where recorded (`measure_with_profiles(busy=True)`): the mean time per timed step
-    its instructions ran, compute and message posting (waits for a message not counted), the
-    measured counterpart of `SimResult.device_busy_ms`; empty where not recorded."""
+    """Per rank, where recorded (`measure_with_profiles(busy=True)`): the time its instructions ran
+    in a step, compute and message posting (waits for a message not counted), median over the
+    timed steps (as `median_ms`); the measured counterpart of `SimResult.device_busy_ms`. Empty
+    where not recorded."""
 
     @property
     def median_ms(self) -> float:
@@ -95,6 +96,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
+    busy: list[list[float]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
     link_rounds: list[list[float]] = []
     link_buffers = _link_buffers(LINK_SIZES) if link else []
@@ -124,6 +126,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
             if probe:
+                busy[index].append(0.0)
                 for instruction, begin, end in engine.timeline:
                     if instruction.is_compute:
                         key = (instruction.kind.value, instruction.stage)
@@ -132,10 +135,12 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                     else:
                         continue
                     durations[index].setdefault(key, []).append((end - begin) * 1e3)
+                    busy[index][-1] += (end - begin) * 1e3
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
-    return [StepTiming(tuple(t), tuple(values)) for t, values in zip(times, losses)], durations, link_rounds
+    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else ())
+            for t, values, b in zip(times, losses, busy)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -184,10 +189,6 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
     extra = len(probe.pipes)
     timings, durations, link = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra,
                                         inputs, target, steps, warmup, 0.0, timeout_s, rewarm, link=True)
-    if busy:
-        timings = [replace(timing, busy_ms=tuple(sum(map(sum, rank[index].values())) / len(timing.step_ms)
-                                                 for rank in durations))
-                   for index, timing in enumerate(timings[:len(pipes)])] + timings[len(pipes):]
     runs = [run for rank in durations for run in rank[-extra:]]
     return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim, link=link) for trim in trims]
 
@@ -209,8 +210,10 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                         link),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
-    return results[0][0], [durations for _, durations, _ in results], \
-        [min(values) for values in zip(*rounds)] if rounds else None
+    # rank 0's step times, with every rank's busy time where recorded
+    timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms))
+               for index, timing in enumerate(results[0][0])]
+    return timings, [durations for _, durations, _ in results], [min(values) for values in zip(*rounds)] if rounds else None
 
 
 LINK_SIZES = (4, 4 * 2**20)
