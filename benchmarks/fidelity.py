@@ -18,8 +18,9 @@ Prints each error and the mean and max absolute error (target: mean <= 5%, max <
 relative error: each plan's measured time over the model's 1F1B run divided by the same ratio
 predicted. A control: the 1F1B plan is compiled twice and both copies run in the rotation; how
 far apart the two identical pipelines measure ("noise floor") is what this machine alone adds
-to an error in that run. Also printed: the errors had the rotation's profile priced each op at a
-10%-trimmed mean of its durations instead of the mean (the measured step is a median step); and,
+to an error in that run. Also printed: the errors had the rotation's profile priced each op at the
+plain mean of its durations instead of the 10%-trimmed mean (`PROFILE_TRIM`, the default since
+stop 25); and,
 per plan, where its error comes from: `ops`, the time its instructions ran (compute and message
 posting, all ranks, per step) against the simulated busy time (the profile's prices of its
 ops), and `idle ms`, the predicted against the measured idle time per rank (the waits, the
@@ -43,10 +44,9 @@ from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
 
 import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
-from octopipe.bench import calibrate_cpu_cluster, measure_with_profiles, runtime_probe  # noqa: E402
+from octopipe.bench import PROFILE_TRIM, calibrate_cpu_cluster, measure_with_profiles, runtime_probe  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
-TRIM = 0.1  # the share of each op's durations dropped at either end for the comparison line
 
 
 def main() -> None:
@@ -69,7 +69,7 @@ def main() -> None:
     errors = []
     relative_errors = []
     earlier_errors = []
-    trimmed_errors = []
+    plain_errors = []
     op_errors = []
     floors = []
     for name in args.models.split(","):
@@ -88,7 +88,7 @@ def main() -> None:
         pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                                   num_microbatches=num_microbatches, costs=costs, plan=plan)
                  for plan in [*plans.values(), plans["1f1b/balanced"]]]
-        timings, (now, trimmed) = measure_with_profiles(pipes, probe, inputs, target, trims=(0.0, TRIM),
+        timings, (now, plain) = measure_with_profiles(pipes, probe, inputs, target, trims=(PROFILE_TRIM, 0.0),
                                                         steps=args.steps, warmup=1, op_overhead_ms=cluster.op_overhead_ms,
                                                         rewarm=not args.no_rewarm, busy=True)
         control = timings.pop()
@@ -96,9 +96,9 @@ def main() -> None:
         floors.append(abs(control.median_ms / timings[0].median_ms - 1))
         simulated = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)) for plan in plans.values()]
         predictions = [sim.iteration_ms for sim in simulated]
-        trimmed_errors += [abs(timing.median_ms / octopipe.simulate(plan, trimmed.costs,
-                                                                     trimmed.calibrate(cluster)).iteration_ms - 1)
-                           for plan, timing in zip(plans.values(), timings)]
+        plain_errors += [abs(timing.median_ms / octopipe.simulate(plan, plain.costs,
+                                                                   plain.calibrate(cluster)).iteration_ms - 1)
+                         for plan, timing in zip(plans.values(), timings)]
         reference_predicted, reference_measured = predictions[0], timings[0].median_ms
         for (label, _), pipe, timing, sim in zip(plans.items(), pipes, timings, simulated):
             predicted = sim.iteration_ms
@@ -124,9 +124,9 @@ def main() -> None:
           f"(target: mean <= 5%, max <= 10%)")
     print(f"predicted from the planning profile taken before the run instead: mean |error| "
           f"{statistics.mean(earlier_errors):.1%}, max {max(earlier_errors):.1%}")
-    print(f"predicted from the same rotation's profile with each op's time a {TRIM:.0%}-trimmed mean instead of the "
-          f"mean (the measured step is a median): mean |error| {statistics.mean(trimmed_errors):.1%}, max "
-          f"{max(trimmed_errors):.1%}")
+    print(f"predicted from the same rotation's profile with each op's time the plain mean instead of a "
+          f"{PROFILE_TRIM:.0%}-trimmed one: mean |error| {statistics.mean(plain_errors):.1%}, max "
+          f"{max(plain_errors):.1%}")
     print(f"the ops' measured time (compute and message posting, all ranks) against the simulated busy time: mean "
           f"|error| {statistics.mean(op_errors):.1%}, max {max(op_errors):.1%} (column 'ops'; 'idle ms' = predicted > "
           f"measured idle per rank: the waits)")

@@ -231,7 +231,8 @@ def test_a_trimmed_profile_drops_each_ops_outliers():
     probe = RuntimeProbe(pipe=None, sizes=sizes)
     stalled = [1.0] * 9 + [91.0]  # one op of ten stalled (a page fault, another process)
     durations = [{("forward", 0): stalled, ("forward", 1): [2.0] * 10, ("backward_input", 0): [3.0, 5.0] * 5}]
-    plain, trimmed = probe.profile(durations), probe.profile(durations, trim=0.1)
+    plain, trimmed = probe.profile(durations, trim=0.0), probe.profile(durations)  # trimmed by default
+    assert trimmed == probe.profile(durations, trim=0.1)
     assert plain.costs.layers[0].forward_ms == pytest.approx(10.0)  # the mean carries the stall
     assert trimmed.costs.layers[0].forward_ms == pytest.approx(1.0)  # dropped with the fastest
     assert plain.costs.layers[1].forward_ms == trimmed.costs.layers[1].forward_ms == 2.0
