@@ -24,7 +24,10 @@ stop 25); and,
 per plan, where its error comes from: `ops`, the time its instructions ran (compute and message
 posting, all ranks, per step) against the simulated busy time (the profile's prices of its
 ops), and `idle ms`, the predicted against the measured idle time per rank (the waits, the
-simulator's schedule and transfers).
+simulator's schedule and transfers). `jittered`: the error had each op's time been its price
+times a ratio drawn from the rotation's own op-to-op spread (`RuntimeProfile.spread`, median
+of JITTER_SAMPLES simulations, `simulator.jittered_iterations`): what that jitter alone adds to
+a schedule's waits.
 
     python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
@@ -45,8 +48,10 @@ from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
 import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
 from octopipe.bench import PROFILE_TRIM, calibrate_cpu_cluster, measure_with_profiles, runtime_probe  # noqa: E402
+from octopipe.simulator import jittered_iterations  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
+JITTER_SAMPLES = 32
 
 
 def main() -> None:
@@ -65,11 +70,12 @@ def main() -> None:
     print(f"2 CPU processes (gloo, 1 thread each); link {calibrated.latency_s * 1e6:.0f} us, "
           f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {num_microbatches} microbatches")
     print(f"{'model':<11} {'plan':<26} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'relative':>9} "
-          f"{'earlier ms':>10} {'error':>8} {'ops':>7} {'idle ms':>13}")
+          f"{'earlier ms':>10} {'error':>8} {'ops':>7} {'idle ms':>13} {'jittered':>8}")
     errors = []
     relative_errors = []
     earlier_errors = []
     plain_errors = []
+    jitter_errors = []
     op_errors = []
     floors = []
     for name in args.models.split(","):
@@ -109,6 +115,10 @@ def main() -> None:
             op_errors.append(abs(ops))
             idle_predicted = statistics.mean(sim.device_idle_ms)
             idle_measured = statistics.mean(timing.median_ms - busy for busy in timing.busy_ms)
+            # the same prediction with each op's time drawn from the rotation's op-to-op spread
+            jittered = statistics.median(jittered_iterations(sim.plan, now.costs, sim.cluster, now.spread,
+                                                             samples=JITTER_SAMPLES))
+            jitter_errors.append(abs(timing.median_ms / jittered - 1))
             errors.append(abs(error))
             relative = (timing.median_ms / reference_measured) / (predicted / reference_predicted) - 1
             if pipe is not pipes[0]:
@@ -117,7 +127,7 @@ def main() -> None:
             earlier_errors.append(abs(timing.median_ms / earlier - 1))
             print(f"{name:<11} {label:<26} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+8.1%} {relative:>+9.1%} "
                   f"{earlier:>10.1f} {timing.median_ms / earlier - 1:>+8.1%} {ops:>+7.1%} "
-                  f"{idle_predicted:>6.1f}>{idle_measured:<6.1f}")
+                  f"{idle_predicted:>6.1f}>{idle_measured:<6.1f} {timing.median_ms / jittered - 1:>+8.1%}")
         print(f"{name:<11} {'1f1b/balanced, 2nd copy':<26} {'':>12} {control.median_ms:>12.1f} "
               f"{'':>8} {control.median_ms / timings[0].median_ms - 1:>+9.1%}  (noise floor: the same plan again)")
     print(f"\nmean |error| {statistics.mean(errors):.1%}, max |error| {max(errors):.1%} over {len(errors)} runs "
@@ -127,6 +137,9 @@ def main() -> None:
     print(f"predicted from the same rotation's profile with each op's time the plain mean instead of a "
           f"{PROFILE_TRIM:.0%}-trimmed one: mean |error| {statistics.mean(plain_errors):.1%}, max "
           f"{max(plain_errors):.1%}")
+    print(f"predicted with op-to-op jitter (each op's time its price x a ratio drawn from the rotation's measured "
+          f"durations / their op's price, median of {JITTER_SAMPLES} simulations; column 'jittered'): mean |error| "
+          f"{statistics.mean(jitter_errors):.1%}, max {max(jitter_errors):.1%}")
     print(f"the ops' measured time (compute and message posting, all ranks) against the simulated busy time: mean "
           f"|error| {statistics.mean(op_errors):.1%}, max {max(op_errors):.1%} (column 'ops'; 'idle ms' = predicted > "
           f"measured idle per rank: the waits)")

@@ -339,6 +339,10 @@ def _zero_costs(num_layers: int):
     return CostTable([LayerCost(f"l{i}", forward_ms=0.0, backward_ms=0.0) for i in range(num_layers)])
 
 
+SPREAD_MIN_MS = 1.0
+"""Ops shorter than this stay out of a profile's `spread`: their relative jitter (a 0.05 ms
+embedding lookup stalling to 0.3 ms) says nothing about a stage op of tens of milliseconds."""
+
 MESSAGE = "message"
 """The durations key under which a probe's sends and receives are recorded: (MESSAGE, producer
 stage, consumer stage)."""
@@ -359,6 +363,10 @@ class RuntimeProfile:
     bandwidth: float | None = None
     """The link between the processes (s, bytes/s), ping-ponged between the rounds of the same
     rotation (`LINK_SIZES`; the least of the rounds' medians); None: not measured."""
+    spread: tuple[float, ...] = ()
+    """Op-to-op jitter: every timed compute op of at least SPREAD_MIN_MS, its duration over its
+    (layer, kind)'s price (the trimmed mean), pooled over layers and kinds, sorted; for
+    `simulator.jittered_iterations`."""
 
     def calibrate(self, cluster: ClusterSpec) -> ClusterSpec:
         """`cluster` with this profile's link and per-message host time (each unchanged when not
@@ -421,13 +429,18 @@ class RuntimeProbe:
             for key, values in run.items():
                 merged.setdefault(key, []).extend(values)
 
+        def mean_of(values: Sequence[float]) -> float:
+            cut = int(len(values) * trim)
+            return statistics.fmean(sorted(values)[cut:len(values) - cut] if cut else values)
+
         def time_of(kind: str, stage: int) -> float:
             values = merged.get((kind, stage))
-            if not values:
-                return 0.0
-            cut = int(len(values) * trim)
-            kept = sorted(values)[cut:len(values) - cut] if cut else values
-            return max(0.0, statistics.fmean(kept) - op_overhead_ms)
+            return max(0.0, mean_of(values) - op_overhead_ms) if values else 0.0
+
+        spread = []
+        for key, values in merged.items():
+            if key[0] != MESSAGE and (mean := mean_of(values)) >= SPREAD_MIN_MS:
+                spread += [value / mean for value in values]
 
         # times measured inside real steps already hold what accumulating the gradients took (and
         # the probe never ran a selective stage): the quick profile's estimates of those go, so
@@ -444,14 +457,14 @@ class RuntimeProbe:
         latency, bandwidth = _link(link) if link else (None, None)
         messages = {key[1:]: values for key, values in merged.items() if key[0] == MESSAGE}
         if not messages:
-            return RuntimeProfile(costs, None, latency_s=latency, bandwidth=bandwidth)
+            return RuntimeProfile(costs, None, latency_s=latency, bandwidth=bandwidth, spread=tuple(sorted(spread)))
         stages = StageCosts.of(tuple(range(len(self.sizes) + 1)), self.sizes)  # the probe: a stage per layer
         size_of = {(a, a + 1): size for a, size in enumerate(stages.output)}
         size_of.update({(a, c): size for a, c, size in stages.skips})
         count = sum(len(values) for values in messages.values())
         return RuntimeProfile(costs, sum(sum(values) for values in messages.values()) / count,
                               sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count,
-                              latency, bandwidth)
+                              latency, bandwidth, tuple(sorted(spread)))
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

@@ -43,6 +43,7 @@ Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a fe
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -392,6 +393,7 @@ def simulate(
     blocking_sends: bool = False,
     memory: MemoryModel = MemoryModel(),
     validated: bool = False,
+    jitter: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one training iteration of `plan` on `cluster` (a ClusterSpec, a preset name or a
     spec file, as `plan` takes it). Raises PlanError (with the device x step grid)
@@ -400,7 +402,10 @@ def simulate(
     `validated`: the caller built or checked the plan itself (the planner's own search, which
     re-simulates its plans in loops), so `PipelinePlan.validate` (about 0.7x a simulation) is
     skipped; the simulation still refuses a plan that cannot run. A table that knows what gradient
-    accumulation costs is taken for the plan's microbatch count (`CostTable.for_microbatches`)."""
+    accumulation costs is taken for the plan's microbatch count (`CostTable.for_microbatches`).
+    `jitter`: one factor per op on its compute time (indexed kind x stages x microbatches +
+    stage x microbatches + microbatch, kinds F, B, W; see `jittered_iterations`), for a run
+    whose ops do not all take their mean time."""
     if not validated:
         if not isinstance(plan, PipelinePlan):
             raise ArgumentError(f"simulate: plan must be a PipelinePlan (PipelinePlan.parse(text), "
@@ -409,8 +414,28 @@ def simulate(
             raise ArgumentError(f"simulate: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
         cluster = ClusterSpec.of(cluster, "simulate: cluster")
         plan.validate(num_layers=len(costs))
-    core = _run(plan, costs, cluster, blocking_sends, memory, record=True)
+    if jitter is not None and len(jitter) != 3 * plan.num_stages * plan.num_microbatches:
+        raise ArgumentError(f"simulate: jitter needs one factor per op slot (3 x {plan.num_stages} stages x "
+                            f"{plan.num_microbatches} microbatches = {3 * plan.num_stages * plan.num_microbatches}), "
+                            f"got {len(jitter)}")
+    core = _run(plan, costs, cluster, blocking_sends, memory, record=True, jitter=jitter)
     return core  # type: ignore[return-value]
+
+
+def jittered_iterations(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, ratios: Sequence[float], *,
+                        samples: int = 32, seed: int = 0) -> list[float]:
+    """Iteration times (ms, sorted) of `samples` simulations of `plan` in which every op's compute
+    time is its mean times a factor drawn from `ratios` (measured durations over their op's mean,
+    e.g. `RuntimeProfile.spread`): what op-to-op jitter alone does to a schedule. A schedule
+    with slack absorbs a late op; one that keeps a device busy every millisecond passes it on to
+    the ops that wait for it."""
+    if not ratios or samples < 1:
+        raise ArgumentError(f"jittered_iterations: need ratios and samples >= 1, got {len(ratios)} ratios, "
+                            f"samples={samples!r}")
+    draw = random.Random(seed).choices
+    size = 3 * plan.num_stages * plan.num_microbatches
+    return sorted(simulate(plan, costs, cluster, validated=True, jitter=draw(ratios, k=size)).iteration_ms
+                  for _ in range(samples))
 
 
 def iteration_time(
@@ -450,7 +475,8 @@ class LinkQueues:
 
 
 def _run(
-    plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, blocking_sends: bool, memory: MemoryModel, record: bool
+    plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, blocking_sends: bool, memory: MemoryModel, record: bool,
+    jitter: Sequence[float] | None = None,
 ) -> SimResult | tuple[float, tuple[float, ...]]:
     if plan.num_devices > cluster.num_devices:
         raise PlanError(f"plan uses {plan.num_devices} devices but the cluster has {cluster.num_devices}")
@@ -595,6 +621,8 @@ def _run(
                 starts[key] = begin  # type: ignore[index]
             elif arrival > begin:
                 begin = arrival
+            if jitter is not None:
+                duration *= jitter[key]
             if posting is not None and kind is not kind_w:
                 duration += posting[stage]
             finish = begin + duration + overhead

@@ -9,7 +9,8 @@ from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.errors import ClusterSpecError
 from octopipe.ir import SkipTensor, TiedParameter
 from octopipe.ir.plan import B, F, OpKind, W
-from octopipe.simulator import MemoryModel, iteration_time, simulate
+from octopipe.errors import ArgumentError
+from octopipe.simulator import MemoryModel, iteration_time, jittered_iterations, simulate
 
 FREE = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
 
@@ -45,6 +46,27 @@ def test_dependencies_and_device_order_set_start_times():
         assert warmup + cooldown + residual == pytest.approx(result.device_idle_ms[device])
     assert result.bubbles[1] == (1, 2, 0)  # waits for 0F0; after 1F1 ends at 5, idles 7..9
     assert iteration_time(plan_of(TWO_STAGE), table(2), FREE)[0] == result.iteration_ms
+
+
+def test_jitter_scales_each_op_and_a_late_op_delays_what_waits_for_it():
+    plan = plan_of(TWO_STAGE)
+    size = 3 * plan.num_stages * plan.num_microbatches
+    assert simulate(plan, table(2), FREE, jitter=[1.0] * size).op_start == simulate(plan, table(2), FREE).op_start
+    assert simulate(plan, table(2), FREE, jitter=[2.0] * size).iteration_ms == 18  # every op twice as long
+    # 0F0 (key 0) three times as long: 1F0 waits for it, and so does the rest of the chain
+    late = [1.0] * size
+    late[0] = 3.0
+    start = {str(op): t for op, t in simulate(plan, table(2), FREE, jitter=late).op_start.items()}
+    assert start["1F0"] == 3 and start["0F1"] == 3
+    with pytest.raises(ArgumentError, match="one factor per op slot"):
+        simulate(plan, table(2), FREE, jitter=[1.0] * (size - 1))
+    # drawn from measured ratios: deterministic for a seed, sorted, exact where there is no spread
+    assert jittered_iterations(plan, table(2), FREE, [1.0], samples=3) == [9.0, 9.0, 9.0]
+    draws = jittered_iterations(plan, table(2), FREE, [0.5, 1.5], samples=16, seed=3)
+    assert draws == sorted(draws) == jittered_iterations(plan, table(2), FREE, [0.5, 1.5], samples=16, seed=3)
+    assert 4.5 <= draws[0] < draws[-1] <= 13.5
+    with pytest.raises(ArgumentError, match="ratios"):
+        jittered_iterations(plan, table(2), FREE, [])
 
 
 def test_transfer_is_latency_plus_bytes_over_bandwidth_and_overlaps_compute():

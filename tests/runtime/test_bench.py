@@ -237,6 +237,11 @@ def test_a_trimmed_profile_drops_each_ops_outliers():
     assert trimmed.costs.layers[0].forward_ms == pytest.approx(1.0)  # dropped with the fastest
     assert plain.costs.layers[1].forward_ms == trimmed.costs.layers[1].forward_ms == 2.0
     assert trimmed.costs.layers[0].backward_ms == pytest.approx(4.0)  # symmetric: the mean of the middle
+    # the op-to-op spread: each duration over its op's price, pooled and sorted
+    assert len(trimmed.spread) == 30 and list(trimmed.spread) == sorted(trimmed.spread)
+    assert trimmed.spread[-1] == pytest.approx(91.0) and trimmed.spread[0] == pytest.approx(0.75)
+    short = probe.profile([{("forward", 0): [0.1, 0.3] * 5}])  # under SPREAD_MIN_MS: left out
+    assert short.spread == ()
     with pytest.raises(ValueError, match="trim"):
         probe.profile(durations, trim=0.5)
 
