@@ -6,10 +6,9 @@ from dataclasses import replace
 import pytest
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
-from octopipe.errors import ClusterSpecError
+from octopipe.errors import ArgumentError, ClusterSpecError
 from octopipe.ir import SkipTensor, TiedParameter
 from octopipe.ir.plan import B, F, OpKind, W
-from octopipe.errors import ArgumentError
 from octopipe.simulator import MemoryModel, iteration_time, jittered_iterations, simulate
 
 FREE = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)

@@ -12,11 +12,15 @@ from octopipe.runtime.host_memory import keep_freed_host_memory
 pytestmark = pytest.mark.timeout(240)
 
 
+def _tiny_llama(batch_size):
+    """The tiny llama, an example batch of `batch_size` and its target."""
+    return (models.build("llama", "tiny"), models.example_inputs("llama", "tiny", batch_size=batch_size),
+            models.example_target("llama", "tiny", batch_size=batch_size))
+
+
 def test_runtime_profile_times_every_layer_and_a_message_the_runtime_way():
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     profile = runtime_profile(model, inputs, target, models.lm_loss, 2, num_procs=2, steps=2, warmup=1)
     assert 0 < profile.message_overhead_ms < 50  # a small positive host cost per send or receive
     costs = profile.costs
@@ -43,9 +47,7 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     from octopipe.bench import measure_with_profile, runtime_probe
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     probe = runtime_probe(model, inputs, target, models.lm_loss, 2)
     assert probe.pipe.plan.num_stages == len(probe.sizes)  # one stage per layer, on both ranks
     assert set(probe.pipe.plan.placement) == {0, 1}
@@ -94,9 +96,7 @@ def test_timeline_does_not_count_waiting_for_a_message_as_compute():
     from octopipe.runtime import launch
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=16)
-    target = models.example_target("llama", "tiny", batch_size=16)
+    model, inputs, target = _tiny_llama(batch_size=16)
     cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                             num_microbatches=2, schedule="1f1b", quiet=True)
@@ -126,9 +126,7 @@ def test_a_rank_without_stages_trains_alongside_the_others():
     from octopipe.ir.plan import B, F, PipelinePlan
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     ops0 = [F(0, 0), F(0, 1), B(0, 0), B(0, 1)]
     ops1 = [F(1, 0), B(1, 0), F(1, 1), B(1, 1)]
     plan = PipelinePlan.build(2, [0, 4, 8], [0, 1], [ops0, ops1, []], num_devices=3)
@@ -143,9 +141,7 @@ def test_rewarm_times_the_second_of_two_back_to_back_steps():
     from octopipe.bench import measure_many
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     cluster = octopipe.ClusterSpec.preset("cpux2")
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                             num_microbatches=2, quiet=True)
@@ -161,9 +157,7 @@ def test_probe_records_only_the_timed_steps_when_rewarmed():
     from octopipe.bench import _measure, runtime_probe
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     probe = runtime_probe(model, inputs, target, models.lm_loss, 2, fused=False)
     for rewarm in (False, True):
         _, durations, link = _measure([probe.pipe], [True], inputs, target, 2, 1, 0.0, 120.0, rewarm)
@@ -251,9 +245,7 @@ def test_busy_time_of_measured_pipes_is_recorded_per_rank_on_request():
     from octopipe.bench import measure_with_profiles, runtime_probe
 
     torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=4)
-    target = models.example_target("llama", "tiny", batch_size=4)
+    model, inputs, target = _tiny_llama(batch_size=4)
     probe = runtime_probe(model, inputs, target, models.lm_loss, 2, fused=False)
     cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
     pipes = [octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
