@@ -104,6 +104,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     losses: list[list[float]] = [[] for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
+    link &= world_size > 1  # one process has no link to measure
     link_rounds: list[list[float]] = []
     link_buffers = _link_buffers(LINK_SIZES) if link else []
 
@@ -204,7 +205,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              clip_grad: float | None = None, link: bool = False
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
-    LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians)."""
+    LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
+    None without `link` or with one process)."""
     from octopipe.runtime import launch
 
     sizes = {pipe.world_size for pipe in pipes}

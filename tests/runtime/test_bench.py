@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from octopipe import models
+from octopipe import ClusterSpec, models
 from octopipe.bench import runtime_profile
 from octopipe.runtime.host_memory import keep_freed_host_memory
 
@@ -260,3 +260,13 @@ def test_busy_time_of_measured_pipes_is_recorded_per_rank_on_request():
         assert all(0 < busy <= max(timing.step_ms) for busy in timing.busy_ms)
     plain, _ = measure_with_profiles(pipes[:1], probe, inputs, target, steps=1, warmup=0)
     assert plain[0].busy_ms == ()
+
+
+def test_a_one_process_profile_has_no_link_or_message_to_measure():
+    torch.manual_seed(0)
+    model, inputs, target = _tiny_llama(batch_size=4)
+    profile = runtime_profile(model, inputs, target, models.lm_loss, 2, num_procs=1, steps=1, warmup=0)
+    assert profile.latency_s is None and profile.bandwidth is None and profile.message_overhead_ms is None
+    assert all(layer.forward_ms > 0 for layer in profile.costs)
+    cluster = ClusterSpec.preset("cpu", num_devices=1)
+    assert profile.calibrate(cluster) == cluster  # nothing measured, nothing replaced
