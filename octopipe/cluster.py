@@ -48,7 +48,8 @@ class ClusterSpec:
     GPUs NCCL's kernels move the bytes; with gloo over TCP between CPU processes the sender's and
     the receiver's CPU copy every byte, time the ranks' compute loses: each F or B pays
     bytes / message_copy_bandwidth for every message it sends or receives across devices
-    (`octopipe.bench.calibrate_cpu_cluster` sets it to the measured link bandwidth)."""
+    (`octopipe.bench.calibrate_cpu_cluster` sets it to the measured link bandwidth, and
+    `RuntimeProfile.calibrate` to the one ping-ponged in the profile's own rotation)."""
     backend: str = "nccl"
     name: str = "custom"
     data_parallel: int = 1
