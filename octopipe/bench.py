@@ -196,7 +196,7 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
     extra = len(probe.pipes)
     timings, durations, link = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra,
                                         inputs, target, steps, warmup, 0.0, timeout_s, rewarm, link=True)
-    runs = [run for rank in durations for run in rank[-extra:]]
+    runs = probe.runs(durations)
     return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim, link=link) for trim in trims]
 
 
@@ -401,10 +401,25 @@ class RuntimeProbe:
     fused: Any = None
     """The same layers and groups run with 1F1B's order: each B a full backward (B and W in one
     op), timed for `LayerCost.backward_full_ms` (None: not measured)."""
+    no_grad: Any = None
+    """`fused` with every stage recomputing its activations: its F runs without autograd, timed
+    for `LayerCost.forward_no_grad_ms` (None: not measured)."""
 
     @property
     def pipes(self) -> tuple[Any, ...]:
-        return (self.pipe,) if self.fused is None else (self.pipe, self.fused)
+        return tuple(pipe for pipe in (self.pipe, self.fused, self.no_grad) if pipe is not None)
+
+    def runs(self, durations: Sequence[Sequence[Durations]]) -> list[Durations]:
+        """Every rank's durations of `pipes` (the last len(pipes) of each rank's list) for
+        `profile`: the no-grad pipeline's forwards under their own key, the rest of it (its B
+        runs the forward again) left out."""
+        result = []
+        for rank in durations:
+            for pipe, run in zip(self.pipes, rank[-len(self.pipes):]):
+                if pipe is self.no_grad:
+                    run = {("forward_no_grad", key[1]): values for key, values in run.items() if key[0] == "forward"}
+                result.append(run)
+        return result
 
     def run(self, inputs: Sequence[Any], target: Any, *, steps: int = 3, warmup: int = 1, op_overhead_ms: float = 0.0,
             timeout_s: float = 600.0, rewarm: bool = True) -> RuntimeProfile:
@@ -413,7 +428,7 @@ class RuntimeProbe:
         right after an untimed one of the same pipe."""
         _, durations, link = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0,
                                       timeout_s, rewarm, link=True)
-        return self.profile([run for rank in durations for run in rank], op_overhead_ms, link=link)
+        return self.profile(self.runs(durations), op_overhead_ms, link=link)
 
     def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0, *, trim: float = PROFILE_TRIM,
                 link: Sequence[float] | None = None) -> RuntimeProfile:
@@ -453,7 +468,8 @@ class RuntimeProbe:
                     backward_weight_ms=time_of("backward_weight", i),
                     backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None,
                     accumulate_ms=None, accumulate_weight_ms=None,
-                    selective_activation_bytes=None, selective_recompute_ms=None)
+                    selective_activation_bytes=None, selective_recompute_ms=None,
+                    forward_no_grad_ms=time_of("forward_no_grad", i) if ("forward_no_grad", i) in merged else None)
             for i, layer in enumerate(self.sizes.layers)
         ), num_microbatches=None)
         latency, bandwidth = _link(link) if link else (None, None)
@@ -475,7 +491,8 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
     `num_procs` contiguous groups of about equal load (from a quick `profile_costs`, which also
     gives the bytes), one group per process, run with `schedule`'s op order (each of its ops
     expanded into the group's per-layer ops: F in layer order, B and W in reverse) and, with
-    `fused`, also with 1F1B's order, whose backward ops compute B and W together."""
+    `fused`, also with 1F1B's order, whose backward ops compute B and W together, once as it is and
+    once with every stage recomputing (its forwards run without autograd)."""
     import octopipe
     from octopipe import schedules
     from octopipe.ir.plan import Op, OpKind, PipelinePlan
@@ -492,7 +509,7 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
     members = [range(bounds[g], bounds[g + 1]) for g in range(groups)]
     placement = [group for group in range(groups) for _ in members[group]]
 
-    def compiled(order_of: str) -> Any:
+    def compiled(order_of: str, recompute: bool = False) -> Any:
         device_ops = []
         for order in schedules.device_orders(order_of, groups, num_microbatches):
             expanded: list[Op] = []
@@ -500,12 +517,14 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
                 layer_order = members[op.stage] if op.kind is OpKind.F else reversed(members[op.stage])
                 expanded += [Op(layer, op.kind, op.microbatch) for layer in layer_order]
             device_ops.append(expanded)
-        plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), placement, device_ops, num_devices=groups)
+        plan = PipelinePlan.build(num_microbatches, list(range(layers + 1)), placement, device_ops, num_devices=groups,
+                                  recompute=[recompute] * layers)
         return octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=groups), example_inputs=tuple(inputs),
                                 example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
                                 costs=sizes, quiet=True)
 
-    return RuntimeProbe(compiled(schedule), sizes, compiled("1f1b") if fused else None)
+    return RuntimeProbe(compiled(schedule), sizes, compiled("1f1b") if fused else None,
+                        compiled("1f1b", recompute=True) if fused else None)
 
 
 def runtime_profile(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

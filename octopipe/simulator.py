@@ -134,6 +134,7 @@ class StageCosts:
                 backward_input[stage] += forward[stage]
                 backward_full[stage] += forward[stage]
                 held[stage] = min(boundary(stage), activation[stage])
+                forward[stage] = costs.range_sum("forward_no_grad", *pairs[stage])  # F itself keeps no graph
         for stage, cheap in enumerate(selective):
             if cheap:  # F keeps the heavy ops' outputs (and its inputs, outputs); B recomputes the rest first
                 a, b = pairs[stage]

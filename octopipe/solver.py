@@ -1315,7 +1315,8 @@ def release_bound(costs: CostTable, num_devices: int, num_microbatches: int, *, 
     scale = _bound_scale(values)
     m, p = num_microbatches, num_devices
     items = sorted((int(round(v * scale)) for v in values), reverse=True)
-    forward_prefix = costs.prefix("forward")
+    # (a stage that recomputes runs its F without autograd, at `forward_no_grad`: the least of both)
+    forward_prefix = costs.prefix("forward_least")
     release = [int(math.floor(forward_prefix[k] * scale)) for k in range(min(p, len(values)))]
     p = len(release)
     fit_count = 0

@@ -89,6 +89,20 @@ def test_a_recomputing_stage_holds_its_inputs_and_pays_a_forward_at_b():
     assert again.peak_activation_bytes[1] == plain.peak_activation_bytes[1] == 10 * MiB
 
 
+def test_a_recomputing_stages_forward_runs_without_autograd_at_its_own_price():
+    # measured on a CPU: F keeps no graph where the stage recomputes (B runs the forward again,
+    # with it, at forward_ms); absent, forward_ms
+    costs = CostTable([replace(layer, forward_no_grad_ms=0.75) for layer in table(3)])
+    plan = PipelinePlan.parse(TWO_STAGE)
+    sc = StageCosts.of(plan.boundaries, costs, plan.recompute)
+    assert sc.forward == (1.5, 1.0) and sc.backward_full == (6.0, 2.0)
+    assert StageCosts.of(plan.boundaries, costs).forward == (2.0, 1.0)  # a plain stage: forward_ms
+    end = {str(op): t for op, t in simulate(plan, costs, FREE).op_end.items()}
+    assert end["0F0"] == pytest.approx(1.5)
+    assert costs.forward_least == (0.75, 0.75, 0.75)
+    assert table(3).forward_no_grad == table(3).forward == table(3).forward_least
+
+
 def test_a_later_recomputing_stage_holds_what_it_received_and_the_last_no_output():
     costs = table(4, output=3 * MiB)
     plan = schedules.build("1f1b", costs, FREE.with_devices(2), 4, partition="uniform")

@@ -4,7 +4,9 @@ Consumes a file (JSON/YAML, the keys below) or the analytic/profiling passes' ou
 per-layer times and bytes every search component reads. Times are milliseconds per microbatch:
 `forward_ms` (F), `backward_ms` (input plus weight gradient, B+W), `backward_weight_ms` (the W
 part; when absent the table's `weight_fraction` of `backward_ms` is assumed), and optionally
-`backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart).
+`backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart) and
+`forward_no_grad_ms` (F of a stage that recomputes its activations, which runs without autograd:
+on a CPU 5-8% cheaper than `forward_ms`; absent: `forward_ms`).
 Gradient accumulation: `accumulate_ms` is what one microbatch takes to add the layer's parameter
 gradients into `.grad` (every microbatch of a step after the first does) and `accumulate_weight_ms`
 W's part of it; the backward times include (M-1)/M of them, M being the table's
@@ -62,7 +64,7 @@ MAX_LAYER_MS = 1e9
 
 _TIME_FIELDS = ("forward_ms", "backward_ms")
 _OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms",
-                         "selective_recompute_ms")
+                         "selective_recompute_ms", "forward_no_grad_ms")
 _BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes")
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
@@ -106,6 +108,9 @@ class LayerCost:
     """Bytes held from F to B under selective recomputation (see the module docstring)."""
     selective_recompute_ms: float | None = None
     """What B pays first under selective recomputation: the forward of the ops it recomputes."""
+    forward_no_grad_ms: float | None = None
+    """F on a stage that recomputes its activations: it keeps no autograd graph (its B runs the
+    forward again, at `forward_ms`). None: `forward_ms`."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -121,7 +126,8 @@ class LayerCost:
             ("accumulate_weight_ms", self.accumulate_weight_ms), ("activation_bytes", self.activation_bytes),
             ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes),
             ("selective_activation_bytes", self.selective_activation_bytes),
-            ("selective_recompute_ms", self.selective_recompute_ms), *(("f." + key, text) for key, text in self.formulas),
+            ("selective_recompute_ms", self.selective_recompute_ms), ("forward_no_grad_ms", self.forward_no_grad_ms),
+            *(("f." + key, text) for key, text in self.formulas),
         ]
 
     def __str__(self) -> str:
@@ -248,6 +254,17 @@ class CostTable:
     def forward(self) -> tuple[float, ...]:
         """F time of each layer, ms."""
         return self._array("forward", (layer.forward_ms for layer in self.layers))
+
+    @property
+    def forward_no_grad(self) -> tuple[float, ...]:
+        """F time of each layer on a stage that recomputes (no autograd graph kept), ms."""
+        return self._array("forward_no_grad", (layer.forward_ms if layer.forward_no_grad_ms is None
+                                               else layer.forward_no_grad_ms for layer in self.layers))
+
+    @property
+    def forward_least(self) -> tuple[float, ...]:
+        """The least F time of each layer, with or without autograd, ms (for lower bounds)."""
+        return self._array("forward_least", map(min, self.forward, self.forward_no_grad))
 
     @property
     def weight(self) -> tuple[float, ...]:
@@ -426,6 +443,7 @@ class CostTable:
                 param_bytes=reader.optional_int("param_bytes"),
                 selective_activation_bytes=reader.optional_int("selective_activation_bytes"),
                 selective_recompute_ms=reader.optional_float("selective_recompute_ms"),
+                forward_no_grad_ms=reader.optional_float("forward_no_grad_ms"),
             )
             formulas = []
             for key, value in reader.rest().items():

@@ -90,6 +90,7 @@ def tables(draw):
                 param_bytes=draw(byte_counts),
                 formulas=tuple(formulas.items()),
                 backward_full_ms=draw(st.none() | times),
+                forward_no_grad_ms=draw(st.none() | times),
             )
         )
     model = draw(st.just("") | names)

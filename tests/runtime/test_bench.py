@@ -79,8 +79,11 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
     # the fused probe (1F1B order) times each layer's full backward too
-    assert len(probe.pipes) == 2 and not probe.fused.plan.split_backward()
+    assert len(probe.pipes) == 3 and not probe.fused.plan.split_backward()
     assert all(layer.backward_full_ms is not None and layer.backward_full_ms > 0 for layer in costs)
+    # and, with every stage recomputing, each layer's forward without autograd
+    assert all(probe.no_grad.plan.recompute) and not any(probe.fused.plan.recompute)
+    assert all(layer.forward_no_grad_ms is not None and layer.forward_no_grad_ms > 0 for layer in costs)
     assert [layer.activation_bytes for layer in costs] == [layer.activation_bytes for layer in probe.sizes]
 
 
@@ -236,6 +239,16 @@ def test_a_trimmed_profile_drops_each_ops_outliers():
     assert trimmed.spread[-1] == pytest.approx(91.0) and trimmed.spread[0] == pytest.approx(0.75)
     short = probe.profile([{("forward", 0): [0.1, 0.3] * 5}])  # under SPREAD_MIN_MS: left out
     assert short.spread == ()
+    # the no-grad pipeline's forwards are priced apart; its backwards (a forward again) not at all
+    tagged = RuntimeProbe(pipe="zb", sizes=sizes, fused="fused", no_grad="no grad")
+    ranks = [[{("forward", 0): [9.0]}, {("forward", 0): [2.0], ("forward", 1): [2.0]},
+              {("forward", 0): [1.5], ("forward", 1): [1.5], ("backward", 0): [99.0]}]] * 2
+    assert tagged.runs(ranks)[2] == {("forward_no_grad", 0): [1.5], ("forward_no_grad", 1): [1.5]}
+    split = tagged.profile(tagged.runs(ranks), trim=0.0)
+    assert [layer.forward_no_grad_ms for layer in split.costs] == [1.5, 1.5]
+    assert split.costs.layers[0].forward_ms == pytest.approx(5.5)  # the other pipes' forwards only
+    assert split.costs.layers[0].backward_full_ms is None  # the no-grad pipe's backward is not one
+    assert [layer.forward_no_grad_ms for layer in plain.costs] == [None, None]
     with pytest.raises(ValueError, match="trim"):
         probe.profile(durations, trim=0.5)
 
