@@ -6,7 +6,7 @@ per-layer times and bytes every search component reads. Times are milliseconds p
 part; when absent the table's `weight_fraction` of `backward_ms` is assumed), and optionally
 `backward_full_ms` (B and W as one op, where measured: it can be cheaper than the two apart) and
 `forward_no_grad_ms` (F of a stage that recomputes its activations, which runs without autograd:
-on a CPU 5-8% cheaper than `forward_ms`; absent: `forward_ms`).
+5.5-8.3% cheaper than `forward_ms` in a run on this project's CPU; absent: `forward_ms`).
 Gradient accumulation: `accumulate_ms` is what one microbatch takes to add the layer's parameter
 gradients into `.grad` (every microbatch of a step after the first does) and `accumulate_weight_ms`
 W's part of it; the backward times include (M-1)/M of them, M being the table's
