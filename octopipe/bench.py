@@ -374,7 +374,7 @@ class RuntimeProfile:
         """`cluster` with this profile's link and per-message host time (each unchanged when not
         measured). The link replaces the latency and both bandwidths, and the host-copy bandwidth
         where `cluster` has one (gloo on CPU): a profile's minutes, not an earlier calibration's,
-        price a message (this VM's ping-pong bandwidth moved 1.9-4.6 GB/s between launches, and
+        price a message (this VM's ping-pong bandwidth moved 1.8-4.9 GB/s between launches, and
         a plan sending 12 MB logits across moved 12% with it). A send instruction's time includes
         the sender's copy of the bytes, which the simulator charges separately where
         `cluster.message_copy_bandwidth` is set: that copy, half the instructions' share, comes out
