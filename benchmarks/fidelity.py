@@ -20,8 +20,7 @@ predicted. A control: the 1F1B plan is compiled twice and both copies run in the
 far apart the two identical pipelines measure ("noise floor") is what this machine alone adds
 to an error in that run. Also printed: the errors had the rotation's profile priced each op at the
 plain mean of its durations instead of the 10%-trimmed mean (`PROFILE_TRIM`, the default since
-stop 25); and,
-per plan, where its error comes from: `ops`, the time its instructions ran (compute and message
+stop 25); and, per plan, where its error comes from: `ops`, the time its instructions ran (compute and message
 posting, all ranks, per step) against the simulated busy time (the profile's prices of its
 ops), and `idle ms`, the predicted against the measured idle time per rank (the waits, the
 simulator's schedule and transfers). `jittered`: the error had each op's time been its price

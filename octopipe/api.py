@@ -291,6 +291,11 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _below_max_bytes(value: object) -> bool:
+    """A positive number below MAX_BYTES (a limit in bytes, or a factor)."""
+    return _positive_finite(value) and value < MAX_BYTES  # type: ignore[operator]
+
+
 def _positive_finite(value: object) -> bool:
     """A number (not a bool) in (0, inf); huge integers included, without overflowing."""
     return is_finite_number(value) and value > 0  # type: ignore[operator]
@@ -322,8 +327,7 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
     if not _positive_finite(time_limit_s) and time_limit_s != math.inf:
         raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < MAX_BYTES):
+        if value is not None and not _below_max_bytes(value):
             raise ArgumentError(f"plan: {name} must be a positive finite number, got {value!r:.60}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
         raise ArgumentError(f"plan: seed must be an integer in [0, 2**31) (the solver's seed is 32-bit), got {seed!r}")
@@ -349,7 +353,7 @@ def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimRes
         if not peaks:
             raise PlanError("plan: activation_limit='1f1b' but no 1F1B baseline is defined for this input")
         return max(peaks)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < MAX_BYTES:
+    if not _below_max_bytes(limit):
         raise ArgumentError(f"plan: activation_limit must be a positive number of bytes below 2**80, '1f1b' or None, "
                             f"got {limit!r:.80}")
     return float(limit)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -221,7 +221,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     # rank 0's step times, with every rank's busy time where recorded
     timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms))
                for index, timing in enumerate(results[0][0])]
-    return timings, [durations for _, durations, _ in results], [min(values) for values in zip(*rounds)] if rounds else None
+    return timings, [durations for _, durations, _ in results], _least(rounds) if rounds else None
 
 
 LINK_SIZES = (4, 4 * 2**20)
@@ -236,8 +236,13 @@ def _pingpong_worker(rank: int, world_size: int, sizes: Sequence[int], repeats: 
     """One-way time of each message size: the median of `repeats` ping-pongs, in each of
     `rounds` rounds (sizes alternating), and the least of the round medians."""
     buffers = _link_buffers(sizes)
-    medians = [_pingpong(rank, buffers, repeats) for _ in range(rounds)]
-    return [min(values) for values in zip(*medians)]
+    return _least(_pingpong(rank, buffers, repeats) for _ in range(rounds))
+
+
+def _least(rounds: Iterable[Sequence[float]]) -> list[float]:
+    """Per message size, the least of the rounds' one-way times (a round now and then lands on a
+    moment this VM is busy elsewhere)."""
+    return [min(values) for values in zip(*rounds)]
 
 
 def _link_buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
@@ -446,18 +451,17 @@ class RuntimeProbe:
             for key, values in run.items():
                 merged.setdefault(key, []).extend(values)
 
-        def mean_of(values: Sequence[float]) -> float:
-            cut = int(len(values) * trim)
-            return statistics.fmean(sorted(values)[cut:len(values) - cut] if cut else values)
+        price: dict[tuple[Any, ...], float] = {}  # each op's (trimmed) mean duration
+        for key, values in merged.items():
+            if key[0] != MESSAGE:
+                cut = int(len(values) * trim)
+                price[key] = statistics.fmean(sorted(values)[cut:len(values) - cut] if cut else values)
 
         def time_of(kind: str, stage: int) -> float:
-            values = merged.get((kind, stage))
-            return max(0.0, mean_of(values) - op_overhead_ms) if values else 0.0
+            return max(0.0, price[(kind, stage)] - op_overhead_ms) if (kind, stage) in price else 0.0
 
-        spread = []
-        for key, values in merged.items():
-            if key[0] != MESSAGE and (mean := mean_of(values)) >= SPREAD_MIN_MS:
-                spread += [value / mean for value in values]
+        spread = tuple(sorted(value / price[key] for key, values in merged.items()
+                              if price.get(key, 0.0) >= SPREAD_MIN_MS for value in values))
 
         # times measured inside real steps already hold what accumulating the gradients took (and
         # the probe never ran a selective stage): the quick profile's estimates of those go, so
@@ -466,23 +470,23 @@ class RuntimeProbe:
             replace(layer, forward_ms=time_of("forward", i),
                     backward_ms=time_of("backward_input", i) + time_of("backward_weight", i),
                     backward_weight_ms=time_of("backward_weight", i),
-                    backward_full_ms=time_of("backward", i) if ("backward", i) in merged else None,
+                    backward_full_ms=time_of("backward", i) if ("backward", i) in price else None,
                     accumulate_ms=None, accumulate_weight_ms=None,
                     selective_activation_bytes=None, selective_recompute_ms=None,
-                    forward_no_grad_ms=time_of("forward_no_grad", i) if ("forward_no_grad", i) in merged else None)
+                    forward_no_grad_ms=time_of("forward_no_grad", i) if ("forward_no_grad", i) in price else None)
             for i, layer in enumerate(self.sizes.layers)
         ), num_microbatches=None)
         latency, bandwidth = _link(link) if link else (None, None)
         messages = {key[1:]: values for key, values in merged.items() if key[0] == MESSAGE}
-        if not messages:
-            return RuntimeProfile(costs, None, latency_s=latency, bandwidth=bandwidth, spread=tuple(sorted(spread)))
-        stages = StageCosts.of(tuple(range(len(self.sizes) + 1)), self.sizes)  # the probe: a stage per layer
-        size_of = {(a, a + 1): size for a, size in enumerate(stages.output)}
-        size_of.update({(a, c): size for a, c, size in stages.skips})
-        count = sum(len(values) for values in messages.values())
-        return RuntimeProfile(costs, sum(sum(values) for values in messages.values()) / count,
-                              sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count,
-                              latency, bandwidth, tuple(sorted(spread)))
+        message_ms = message_bytes = None
+        if messages:
+            stages = StageCosts.of(tuple(range(len(self.sizes) + 1)), self.sizes)  # the probe: a stage per layer
+            size_of = {(a, a + 1): size for a, size in enumerate(stages.output)}
+            size_of.update({(a, c): size for a, c, size in stages.skips})
+            count = sum(len(values) for values in messages.values())
+            message_ms = sum(sum(values) for values in messages.values()) / count
+            message_bytes = sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count
+        return RuntimeProfile(costs, message_ms, message_bytes, latency, bandwidth, spread)
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

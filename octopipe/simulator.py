@@ -415,10 +415,9 @@ def simulate(
             raise ArgumentError(f"simulate: costs must be a CostTable (CostTable.load(path)), got {type(costs).__name__}")
         cluster = ClusterSpec.of(cluster, "simulate: cluster")
         plan.validate(num_layers=len(costs))
-    if jitter is not None and len(jitter) != 3 * plan.num_stages * plan.num_microbatches:
+    if jitter is not None and len(jitter) != _op_slots(plan):
         raise ArgumentError(f"simulate: jitter needs one factor per op slot (3 x {plan.num_stages} stages x "
-                            f"{plan.num_microbatches} microbatches = {3 * plan.num_stages * plan.num_microbatches}), "
-                            f"got {len(jitter)}")
+                            f"{plan.num_microbatches} microbatches = {_op_slots(plan)}), got {len(jitter)}")
     core = _run(plan, costs, cluster, blocking_sends, memory, record=True, jitter=jitter)
     return core  # type: ignore[return-value]
 
@@ -434,9 +433,13 @@ def jittered_iterations(plan: PipelinePlan, costs: CostTable, cluster: ClusterSp
         raise ArgumentError(f"jittered_iterations: need ratios and samples >= 1, got {len(ratios)} ratios, "
                             f"samples={samples!r}")
     draw = random.Random(seed).choices
-    size = 3 * plan.num_stages * plan.num_microbatches
-    return sorted(simulate(plan, costs, cluster, validated=True, jitter=draw(ratios, k=size)).iteration_ms
+    return sorted(simulate(plan, costs, cluster, validated=True, jitter=draw(ratios, k=_op_slots(plan))).iteration_ms
                   for _ in range(samples))
+
+
+def _op_slots(plan: PipelinePlan) -> int:
+    """F, B and W of every stage and microbatch: the length of the simulator's per-op arrays."""
+    return 3 * plan.num_stages * plan.num_microbatches
 
 
 def iteration_time(
