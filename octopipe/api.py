@@ -20,18 +20,15 @@ from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
-from octopipe.simulator import MemoryModel, SimResult, simulate
-from octopipe.solver import balance_bound, input_gradients, refine_order, release_bound
-from octopipe.tuner import Policy, Structure, TuneResult, list_schedule, plan_shape, tune
+from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
+from octopipe.solver import Refinement, balance_bound, input_gradients, order_bound, refine_order, release_bound
+from octopipe.tuner import RUNNER_UP_MARGIN, Policy, Structure, TuneResult, list_schedule, plan_shape, tune
 
 GiB = 2**30
 MAX_BYTES = 2**80
 """Byte limits above this are refused (a float holds them; 10**400 would not)."""
 
 
-RUNNER_UP_MARGIN = 0.10
-"""How much slower than the chosen plan (predicted) a runner-up may be: about the simulator's
-largest error measured on CPU (benchmarks/fidelity.py)."""
 MAX_RUNNERS_UP = 3
 
 
@@ -169,7 +166,7 @@ def plan(
     stage_seconds["tuner"] = time.perf_counter() - clock
     best_plan, origin = tuned.best.plan, "tuner"
     notes = [f"tuner: {tuned.structures} structures, {tuned.evaluations} plans simulated ({tuned.work} op-steps of "
-             f"work); best from {tuned.best.origin}"]
+             f"work; {tuned.ruled_out} moves ruled out unscheduled by the order bound); best from {tuned.best.origin}"]
     cut_short = tuned.cut_short
 
     # 4. CP-SAT over the tuner's structure, hinted with its order
@@ -245,6 +242,8 @@ def plan(
                      f"{fitting.iteration_ms / final.iteration_ms - 1:+.1%} faster on paper, under min_gain "
                      f"{min_gain:.1%}")
         report.chosen, best_plan, final = fitting.name, baseline_plans[fitting.name], baseline_sims[fitting.name]
+    report.order_bound_ms = _order_bound(best_plan, costs, final, activation_budget, memory_limit, memory,
+                                         refinement if refinement is not None and refinement.plan is best_plan else None)
     runners_up = _runners_up(tuned, searched, best_plan, final.iteration_ms)
     if runners_up:
         notes.append(f"runners-up: {len(runners_up)} plan{'s' if len(runners_up) > 1 else ''} of other shapes within "
@@ -252,6 +251,19 @@ def plan(
                      "PlanResult.runners_up): measure them beside this plan where the costs are that uncertain "
                      "(octopipe train --candidates)")
     return PlanResult(best_plan, report, final, costs, tuple(plan_ for _, plan_ in runners_up))
+
+
+def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activation_limit: float | None,
+                 memory_limit: float, memory: MemoryModel, refinement: Refinement | None) -> float:
+    """No order of `chosen`'s structure within the limits beats this (`solver.order_bound` under
+    each device's activation room; the CP-SAT whole-order model's bound where it ran on it)."""
+    room = [min(activation_limit if activation_limit is not None else math.inf, memory_limit - fixed)
+            for fixed in sim.static_memory_bytes]
+    sc = StageCosts.of(chosen.boundaries, costs, chosen.recompute, chosen.selective)
+    bound = order_bound(sc, chosen.placement, chosen.num_microbatches, room, memory.weight_memory_fraction)
+    if refinement is not None and refinement.lower_bound_ms is not None:
+        bound = max(bound, refinement.lower_bound_ms)
+    return min(bound, sim.iteration_ms)
 
 
 def _runners_up(tuned: TuneResult, searched: SimResult, chosen: PipelinePlan, chosen_ms: float

@@ -4,7 +4,8 @@ Rows are plans (every baseline, the tuner's best, the CP-SAT solver's result); c
 simulated iteration time, bubble ratio, the busiest device's peak activation and total memory,
 whether the plan fits the limits, and OctoPipe's speedup over it. The footer gives the balance
 bound (microbatches x the smallest possible busiest-device load with whole layers per device),
-the proven lower bound on iteration time and the gap of the returned plan to it.
+the proven lower bound on iteration time and the gap of the returned plan to it, and the order
+bound of the returned plan's own structure (how much of the gap a better op order could close).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class PlanReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     cut_short: bool = False
     notes: list[str] = field(default_factory=list)
+    order_bound_ms: float | None = None
+    """No op order of the returned plan's structure (partition, placement, recomputation) within
+    the limits runs faster: `solver.order_bound`, or the CP-SAT whole-order model's bound where
+    that ran on it. Between it and the plan lies what a better order could gain at most; between
+    it and `lower_bound_ms`, the structure's share of the gap (or the lower bound's slack)."""
 
     # -- derived ----------------------------------------------------------------------------
     def row(self, name: str) -> PlanRow:
@@ -117,6 +123,9 @@ class PlanReport:
             f"balance bound {self.balance_bound_ms:.2f} ms ({'exact' if self.balance_bound_optimal else 'best found'}; "
             f"plan at {self.balance_ratio:.3f}x), lower bound {self.lower_bound_ms:.2f} ms, gap {self.gap:.1%}"
         )
+        if self.order_bound_ms is not None:
+            lines.append(f"order bound {self.order_bound_ms:.2f} ms for this plan's partition and placement (plan at "
+                         f"{self.iteration_ms / self.order_bound_ms:.3f}x: the most a better op order could gain)")
         timing = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.stage_seconds.items())
         lines.append(f"planned in {self.planning_seconds:.1f}s ({timing})" + (" - cut short by the time limit" if self.cut_short else ""))
         lines += [f"note: {note}" for note in self.notes]
@@ -130,6 +139,7 @@ class PlanReport:
             "balance_bound_ms": self.balance_bound_ms,
             "lower_bound_ms": self.lower_bound_ms,
             "gap": self.gap,
+            "order_bound_ms": self.order_bound_ms,
             "planning_seconds": self.planning_seconds,
             "cut_short": self.cut_short,
             "rows": [row.__dict__ for row in self.rows],

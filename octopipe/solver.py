@@ -14,6 +14,8 @@ plans no worse than the hint, and proven lower bounds.
   (minimised over assignments: a rank relaxation, then exactly, layer by layer in model order).
 - `balanced_structure`: stage boundaries (and, for `placement=None`, the stage -> device map)
   minimising the busiest device's load (or a release-aware estimate of the iteration time).
+- `order_bound`: a bound on every op order of one structure under the activation budget (warm-up
+  and cool-down memory arguments per device); the tuner skips moves it rules out.
 - `refine_order`: the timing model of one structure — an interval per op, precedences with
   transfer delays, no-overlap per device, activation memory as a reservoir per device (a
   recomputing stage's F holds its inputs, its B takes the activations back at its start), objective
@@ -1523,3 +1525,68 @@ def _counts_fit(groups: Sequence[tuple[int, int]], start: int, free: Sequence[in
         if last >= start and sum(room // size for room in rooms) < last + 1 - start:
             return False
     return True
+
+
+def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
+                activation_budget: Sequence[float] | None, keep: float = MemoryModel().weight_memory_fraction) -> float:
+    """A lower bound on the iteration time of every op order of one structure (its stage costs
+    `sc`, recompute flags included, and `placement`) whose activations stay within
+    `activation_budget` (bytes per device; None: no limit). Transfers, reductions and the
+    simulator's queues only add to it. Per device, the largest of:
+
+    - its release + microbatches x its load (its first F waits for the forwards before it);
+    - the warm-up: its first B cannot start before one microbatch's forward through every stage
+      and the input gradients of the stages after its last one (`tB`). Until then it runs only
+      F, and each F it starts holds its stage's activations until that stage's B, so the F work
+      done before `tB` is at most what fits the budget (a fractional knapsack of its stages'
+      forwards, each at most microbatches times, weighed by the bytes they hold). The rest of its
+      load comes after `tB`;
+    - the cool-down: after its last F starts, the chain of that microbatch (the forwards from its
+      last stage on and every stage's input gradient) still runs, while the device's own work
+      left is its B and W of microbatches it still holds (a knapsack of the budget again: a
+      microbatch waiting for B holds its stage's bytes, one waiting only for W `keep` of its
+      activations) plus that F. What the chain outlasts that work by is idle. Added to the
+      release term always, and to the warm-up term where the budget cannot hold every
+      microbatch's forwards (then the last F comes after `tB`).
+
+    Each stage's B is the cheaper of its input gradient and full backward, W what the cheaper of
+    split and fused adds to it, so the bound holds whichever the order splits."""
+    m = num_microbatches
+    forward = sc.forward
+    stages = range(len(forward))
+    backward = [min(sc.backward_input[s], sc.backward_full[s]) for s in stages]
+    work = [min(sc.backward_input[s] + sc.weight[s], sc.backward_full[s]) for s in stages]
+    most = [max(sc.backward_input[s] + sc.weight[s], sc.backward_full[s]) for s in stages]
+    all_forward, all_backward = sum(forward), sum(backward)
+    held = sc.held or sc.activation
+    bound = 0.0
+    for device in sorted(set(placement)):
+        own = [s for s in stages if placement[s] == device]
+        first, last = own[0], own[-1]
+        load = m * sum(forward[s] + work[s] for s in own)
+        release = sum(forward[:first])
+        first_b = all_forward + sum(backward[last + 1:])
+        room = math.inf if activation_budget is None else activation_budget[device] * (1 + 1e-9) + 1e-6
+        early = _fractional_fill([(forward[s], held[s]) for s in own], m, room)
+        left = _fractional_fill([(most[s], held[s]) for s in own]
+                                + [(sc.weight[s], sc.activation[s] * keep) for s in own], m, room)
+        tail = max(0.0, sum(forward[last:]) + all_backward - left - max(forward[s] for s in own))
+        crowded = m * sum(held[s] for s in own) > room
+        bound = max(bound, release + load + tail, first_b + load - early + (tail if crowded else 0.0))
+    return bound
+
+
+def _fractional_fill(items: Sequence[tuple[float, float]], copies: int, room: float) -> float:
+    """The most value that (value, bytes) items, each at most `copies` times and in fractions,
+    fit in `room` bytes (items of no bytes fit whole)."""
+    total = 0.0
+    for value, size in sorted(items, key=lambda item: -item[0] / item[1] if item[1] > 0 else -math.inf):
+        if size <= 0:
+            total += copies * value
+            continue
+        if room <= 0:
+            break
+        take = min(float(copies), room / size)
+        total += take * value
+        room -= take * size
+    return total

@@ -75,6 +75,12 @@ from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
 from octopipe.simulator import LinkQueues, MemoryModel, StageCosts, iteration_time, message_host_ms, simulate
 
+RUNNER_UP_MARGIN = 0.10
+"""How much slower than the chosen plan (predicted) a runner-up may be: about the simulator's
+largest error measured on CPU (benchmarks/fidelity.py). The search keeps the fastest plan of each
+shape; a move whose `solver.order_bound` rules out both beating the current plan and coming
+within this margin of the best is skipped."""
+
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
 DEFAULT_WORK = 3_000_000
@@ -557,6 +563,9 @@ class TuneResult:
     runners_up: tuple[Candidate, ...] = ()
     """The fastest plan found of each shape (`plan_shape`) other than the best plan's that fits
     the limits, fastest first: alternatives for measured selection (`PlanResult.runners_up`)."""
+    ruled_out: int = 0
+    """Hill-climbing moves skipped unscheduled: `solver.order_bound` proved no order of theirs
+    could be kept (see `RUNNER_UP_MARGIN`)."""
 
 
 class _Search:
@@ -592,6 +601,8 @@ class _Search:
         self.history: list[tuple[float, float, str]] = []
         self.scheduled: dict[tuple[Structure, Policy], Candidate | None] = {}
         self.seen_orders: set[int] = set()
+        self.ruled_out = 0
+        """Moves skipped because no order of theirs could be kept (`ruled_out`)."""
 
     def exhausted(self) -> bool:
         """True when the work budget or the wall clock is spent. The search is one fixed sequence
@@ -691,6 +702,23 @@ class _Search:
             return True
         budget = self.budget_for(candidate.structure)
         return budget is not None and any(a >= share * b for a, b in zip(candidate.peak_activation, budget))
+
+    def rules_out(self, structure: Structure, current: Candidate) -> bool:
+        """Whether no order of `structure` within the memory limits can beat `current` (which
+        fits them) or come within RUNNER_UP_MARGIN of the best plan: `solver.order_bound`. Such a
+        move would be scheduled and simulated only to be dropped, so the climb skips it; what it
+        keeps is the same, at less work."""
+        if not current.feasible or self.best is None:
+            return False
+        from octopipe.solver import order_bound
+
+        sc = StageCosts.of(structure.boundaries, self.costs, structure.recompute, structure.selective)
+        bound = order_bound(sc, structure.placement, self.m, self.budget_for(structure),
+                            self.memory.weight_memory_fraction)
+        if bound < max(current.iteration_ms, self.best.iteration_ms * (1 + RUNNER_UP_MARGIN)) * (1 + 1e-9):
+            return False
+        self.ruled_out += 1
+        return True
 
     def top_policies(self, structure: Structure, count: int) -> list[Policy]:
         """The `count` best policies tried so far on `structure`."""
@@ -954,7 +982,7 @@ def tune(
     winner = plan_shape(search.best.structure)
     others = sorted((c for shape, c in search.best_of_shape.items() if shape != winner), key=lambda c: c.iteration_ms)
     return TuneResult(search.best, search.history, search.evaluations, search.work + search.work_plain, search.cut_short,
-                      time.perf_counter() - started, len(unique), tuple(others))
+                      time.perf_counter() - started, len(unique), tuple(others), search.ruled_out)
 
 
 def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
@@ -974,6 +1002,7 @@ def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, n
     except PlanError:
         return
     search.evaluations += plain.evaluations
+    search.ruled_out += plain.ruled_out
     search.work_plain += plain.work
     search.cut_short |= plain.cut_short
     for other in (plain.best, *plain.runners_up):
@@ -995,6 +1024,8 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
         for structure, label, keeps_order in moves:
             if search.exhausted():
                 break
+            if search.rules_out(structure, current):
+                continue
             if keeps_order and current.policy is None:
                 plan = PipelinePlan(current.plan.num_devices, current.plan.num_microbatches, structure.stages(),
                                     current.plan.device_ops)
@@ -1023,6 +1054,8 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
             for structure, label in _recompute_moves(current, budget, search.selective):
                 if search.exhausted():
                     break
+                if search.rules_out(structure, current):
+                    continue
                 candidate = search.best_policy(structure, f"{current.origin}; {label}", policies)
                 if candidate is not None and candidate.score < current.score:
                     found = candidate

@@ -59,6 +59,10 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
         assert needle in text
     assert result.report.balance_bound_optimal
     assert not result.report.cut_short
+    # the order bound of the plan's own structure: at most the plan, printed and saved
+    report = result.report
+    assert 0 < report.order_bound_ms <= report.iteration_ms
+    assert "order bound" in text and report.to_dict()["order_bound_ms"] == report.order_bound_ms
     # the bound ignores memory: the report says so exactly where memory binds
     for limit in ("1f1b", None):
         report = octopipe.plan(costs, cluster, 8, activation_limit=limit, quiet=True, effort=0.05).report

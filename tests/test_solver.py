@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.ir.plan import Op, OpKind
-from octopipe.simulator import iteration_time, simulate
+from octopipe.simulator import StageCosts, iteration_time, simulate
 from octopipe.solver import (
     balance_bound,
     balanced_structure,
     layer_loads,
+    order_bound,
     refine_order,
     release_bound,
     solve_joint,
@@ -257,6 +258,89 @@ def test_looser_memory_never_makes_the_exact_plan_slower(layers, budget_units):
                                activation_budget=[units * 1000.0] * 2, work=20)
         times.append(math.inf if solution is None else solution.objective_ms)
     assert times[1] <= times[0] + 1e-9
+
+
+# -- the order bound of one structure ----------------------------------------------------------------
+
+def best_order(costs, cluster, m, bounds, placement, split, budget, recompute=()):
+    """The fastest order of one structure within the per-device activation budget, by brute force."""
+    p = max(placement) + 1
+    kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
+    count = len(placement)
+    per_device = [device_orders([Op(s, k, mb) for s in range(count) if placement[s] == d
+                                 for mb in range(m) for k in kinds]) for d in range(p)]
+    base = PipelinePlan.build(m, bounds, placement, [[] for _ in range(p)], num_devices=p, recompute=recompute)
+    best = math.inf
+    for orders in itertools.product(*per_device):
+        try:
+            sim = simulate(base.with_ops(orders), costs, cluster)
+        except PlanError:
+            continue  # deadlocks
+        if all(peak <= room + 1e-6 for peak, room in zip(sim.peak_activation_bytes, budget)):
+            best = min(best, sim.iteration_ms)
+    return best
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 3), st.integers(1, 4)),
+                min_size=2, max_size=3),
+       st.sampled_from([((0, 1), 2, True), ((0, 1), 2, False), ((0, 1, 0), 2, False)]), st.integers(1, 5),
+       st.booleans())
+def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first):
+    placement, m, split = shape
+    costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
+                  activation=[a * 1000 for _, _, _, a in layers], output=[100] * len(layers))
+    if len(layers) < len(placement):
+        placement = placement[:len(layers)]
+    bounds = tuple(range(len(placement))) + (len(layers),)
+    recompute = (recompute_first,) + (False,) * (len(placement) - 1)
+    budget = [units * 1000.0] * 2
+    exact = best_order(costs, FREE, m, bounds, placement, split, budget, recompute)
+    sc = StageCosts.of(bounds, costs, recompute)
+    bound = order_bound(sc, placement, m, budget)
+    assert bound <= exact + 1e-6
+    # a looser budget never raises it, and without one it is at least every device's release + load
+    assert order_bound(sc, placement, m, None) <= bound + 1e-9
+    assert order_bound(sc, placement, m, [b + 3000 for b in budget]) <= bound + 1e-9
+
+
+def test_order_bound_sees_the_warm_up_a_tight_budget_forces():
+    # two stages of one layer on two devices, 1 ms each way, 4 microbatches: room for one
+    # microbatch's activations holds device 0's forwards back until the first B comes back
+    costs = table([1, 1], [1, 1], weight=[0, 0], activation=[1000, 1000], output=[0, 0])
+    sc = StageCosts.of((0, 1, 2), costs)
+    free = order_bound(sc, (0, 1), 4, None)
+    tight = order_bound(sc, (0, 1), 4, [1000.0, 1000.0])
+    # one microbatch at a time (F0 F1 B1 B0, 4 ms each) is the only order within that room
+    f, b = OpKind.F, OpKind.B
+    serial = PipelinePlan.build(4, (0, 1, 2), (0, 1), [[Op(0, k, mb) for mb in range(4) for k in (f, b)],
+                                                        [Op(1, k, mb) for mb in range(4) for k in (f, b)]])
+    sim = simulate(serial, costs, FREE)
+    assert max(sim.peak_activation_bytes) <= 1000.0 and sim.iteration_ms == pytest.approx(16.0)
+    assert free == pytest.approx(9.0)  # device 1: its release (1 ms) + 4 x 2 ms
+    assert tight == pytest.approx(12.0)  # device 0: B at 3 ms, 1 ms of F before it, 8 - 1 after, 2 ms of drain
+
+
+def test_order_bound_is_below_every_baseline_within_its_own_peak():
+    from octopipe import schedules
+
+    rng = random.Random(3)
+    n = 10
+    forward = [rng.uniform(0.5, 3.0) for _ in range(n)]
+    costs = table(forward, [x * rng.uniform(1.5, 2.5) for x in forward], weight=[x * 0.8 for x in forward],
+                  activation=[rng.randint(1, 6) * 10**6 for _ in range(n)], output=[10**5] * n)
+    cluster = ClusterSpec.preset("h100x4")
+    checked = 0
+    for m in (4, 8):
+        for name, plan in schedules.baselines(costs, cluster, m).items():
+            for flags in ((), (True,) * plan.num_stages):
+                variant = plan.with_recompute(flags) if flags else plan
+                sim = simulate(variant, costs, cluster)
+                sc = StageCosts.of(variant.boundaries, costs, variant.recompute, variant.selective)
+                bound = order_bound(sc, variant.placement, m, list(sim.peak_activation_bytes))
+                assert bound <= sim.iteration_ms * (1 + 1e-12), (name, flags)
+                checked += 1
+    assert checked >= 20
 
 
 # -- structures and order refinement --------------------------------------------------------------

@@ -195,3 +195,18 @@ def test_list_schedule_charges_message_host_time_as_the_simulator_does():
     # and the charge changes the schedule somewhere: the cost is not ignored
     assert any(list_schedule(structure, costs, paying, 8, policy) != list_schedule(structure, costs, free, 8, policy)
                for policy in POLICIES)
+
+
+def test_moves_the_order_bound_rules_out_change_nothing_but_the_work(monkeypatch):
+    # the same climb, step for step, with and without skipping the moves no order could make
+    # better (or a runner-up): every improvement found without it is found with it, in order
+    costs, cluster, limit, plans = tune_case(seed=7)
+    pruned = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, effort=0.03, seed=1)
+    from octopipe import tuner
+
+    monkeypatch.setattr(tuner._Search, "rules_out", lambda self, structure, current: False)
+    full = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, effort=0.03, seed=1)
+    assert pruned.ruled_out > 0 and full.ruled_out == 0
+    steps = [(ms, origin) for _, ms, origin in full.history]
+    assert [(ms, origin) for _, ms, origin in pruned.history][:len(steps)] == steps
+    assert pruned.best.iteration_ms <= full.best.iteration_ms + 1e-9
