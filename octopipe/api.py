@@ -177,11 +177,7 @@ def plan(
         if remaining > 0.5:
             if say:
                 say(f"CP-SAT refinement ({remaining:.0f}s left)")
-            # the activation room on each device: the activation limit, and what the memory limit
-            # leaves after the weights, gradients and optimizer state of the device's stages
-            static = simulate(best_plan, costs, cluster, memory=memory).static_memory_bytes
-            room = [min(activation_budget if activation_budget is not None else math.inf, memory_limit - fixed)
-                    for fixed in static]
+            room = _activation_room(simulate(best_plan, costs, cluster, memory=memory), activation_budget, memory_limit)
             refinement = refine_order(best_plan, costs, cluster, work=0.2 * effort, max_windows=4,
                                       time_limit_s=remaining - 0.2, activation_budget=room, memory=memory, seed=seed)
             cut_short = cut_short or refinement.cut_short
@@ -257,13 +253,19 @@ def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activat
                  memory_limit: float, memory: MemoryModel, refinement: Refinement | None) -> float:
     """No order of `chosen`'s structure within the limits beats this (`solver.order_bound` under
     each device's activation room; the CP-SAT whole-order model's bound where it ran on it)."""
-    room = [min(activation_limit if activation_limit is not None else math.inf, memory_limit - fixed)
-            for fixed in sim.static_memory_bytes]
+    room = _activation_room(sim, activation_limit, memory_limit)
     sc = StageCosts.of(chosen.boundaries, costs, chosen.recompute, chosen.selective)
     bound = order_bound(sc, chosen.placement, chosen.num_microbatches, room, memory.weight_memory_fraction)
     if refinement is not None and refinement.lower_bound_ms is not None:
         bound = max(bound, refinement.lower_bound_ms)
     return min(bound, sim.iteration_ms)
+
+
+def _activation_room(sim: SimResult, activation_limit: float | None, memory_limit: float) -> list[float]:
+    """Each device's activation room: the activation limit, and what the memory limit leaves after
+    the weights, gradients and optimizer state of the device's stages."""
+    return [min(activation_limit if activation_limit is not None else math.inf, memory_limit - fixed)
+            for fixed in sim.static_memory_bytes]
 
 
 def _runners_up(tuned: TuneResult, searched: SimResult, chosen: PipelinePlan, chosen_ms: float

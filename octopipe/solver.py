@@ -1536,18 +1536,18 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
 
     - its release + microbatches x its load (its first F waits for the forwards before it);
     - the warm-up: its first B cannot start before one microbatch's forward through every stage
-      and the input gradients of the stages after its last one (`tB`). Until then it runs only
+      and the input gradients of the stages after its last one. Until then it runs only
       F, and each F it starts holds its stage's activations until that stage's B, so the F work
-      done before `tB` is at most what fits the budget (a fractional knapsack of its stages'
+      done before then is at most what fits the budget (a fractional knapsack of its stages'
       forwards, each at most microbatches times, weighed by the bytes they hold). The rest of its
-      load comes after `tB`;
+      load comes after;
     - the cool-down: after its last F starts, the chain of that microbatch (the forwards from its
       last stage on and every stage's input gradient) still runs, while the device's own work
       left is its B and W of microbatches it still holds (a knapsack of the budget again: a
       microbatch waiting for B holds its stage's bytes, one waiting only for W `keep` of its
       activations) plus that F. What the chain outlasts that work by is idle. Added to the
       release term always, and to the warm-up term where the budget cannot hold every
-      microbatch's forwards (then the last F comes after `tB`).
+      microbatch's forwards (then the last F comes after that first B).
 
     Each stage's B is the cheaper of its input gradient and full backward, W what the cheaper of
     split and fused adds to it, so the bound holds whichever the order splits."""
