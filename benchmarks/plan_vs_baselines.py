@@ -15,6 +15,9 @@ busiest device of the 1F1B baselines) and prints, per case:
                      with whole layers per device, solved exactly) and ours / bound
   lower, gap         the proven lower bound on any plan's iteration time and ours / lower - 1
   max               best baseline / lower bound: the largest speedup any plan could show
+  order             ours / the order bound of our plan's structure (its partition, placement and
+                    recomputation): no op order of that structure within the limits is faster than
+                    the bound, so this is the most a better order alone could gain
   plan s             planning seconds (with "*" where the time limit cut the search short)
 
 then the geometric-mean speedups against the issue's targets, and a table of planning time as
@@ -66,6 +69,8 @@ class Case:
     bound_ms: float = math.nan
     bound_exact: bool = False
     lower_ms: float = math.nan
+    order_bound_ms: float = math.nan
+    """No op order of our plan's structure within the limits beats this."""
     seconds: float = math.nan
     cut_short: bool = False
     stages: int = 0
@@ -94,6 +99,10 @@ class Case:
     @property
     def max_speedup(self) -> float:
         return self.best_ms / self.lower_ms
+
+    @property
+    def order_ratio(self) -> float:
+        return self.ours_ms / self.order_bound_ms
 
 
 def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None, *,
@@ -144,6 +153,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
     case.ours_ms = report.iteration_ms
     case.bound_ms, case.bound_exact = report.balance_bound_ms, report.balance_bound_optimal
     case.lower_ms = report.lower_bound_ms
+    case.order_bound_ms = report.order_bound_ms if report.order_bound_ms is not None else math.nan
     case.seconds, case.cut_short = report.planning_seconds, report.cut_short
     case.stages = result.plan.num_stages
     case.recomputed = sum(result.plan.recompute)
@@ -153,7 +163,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
 
 HEADER = (f"{'table':<24}{'p':>3}{'m':>4}  {'best baseline':<26}{'ms':>9}  {'best that fits':<26}{'ms':>9}"
           f"{'ours ms':>10}{'stg':>4}{'speedup':>9}{'vs fit':>8}{'bound':>9}{'ratio':>7}{'lower':>9}{'gap':>7}"
-          f"{'max':>7}{'plan s':>8}")
+          f"{'max':>7}{'order':>7}{'plan s':>8}")
 
 
 def format_case(case: Case) -> str:
@@ -164,7 +174,7 @@ def format_case(case: Case) -> str:
         head + f"{case.best_name:<26}{case.best_ms:>9.1f}  {case.fit_name or '(none)':<26}{case.fit_ms:>9.1f}"
         f"{case.ours_ms:>10.1f}{case.stages:>4}{case.speedup:>8.3f}x{case.speedup_fit:>7.3f}x"
         f"{case.bound_ms:>8.1f}{'' if case.bound_exact else '?'}{case.ratio:>7.3f}{case.lower_ms:>9.1f}"
-        f"{case.gap:>6.1%}{case.max_speedup:>6.3f}x{case.seconds:>7.1f}{'*' if case.cut_short else ' '}"
+        f"{case.gap:>6.1%}{case.max_speedup:>6.3f}x{case.order_ratio:>7.3f}{case.seconds:>7.1f}{'*' if case.cut_short else ' '}"
     )
 
 
@@ -208,6 +218,14 @@ def summary(cases: list[Case]) -> list[str]:
         small_gap = [c for c in done if c.gap <= 0.05]
         lines.append(f"gap to the lower bound <= 5%: {len(small_gap)}/{len(done)} cases; worst {max(c.gap for c in done):.1%}; "
                      f"mean {sum(c.gap for c in done) / len(done):.1%}")
+        bounded = [c for c in done if not math.isnan(c.order_bound_ms)]
+        if bounded:
+            tight = [c for c in bounded if c.order_ratio <= 1.05]
+            worst = max(bounded, key=lambda c: c.order_ratio)
+            lines.append(f"  of which the op order: ours within 5% of the order bound of its own structure on "
+                         f"{len(tight)}/{len(bounded)} cases (geomean {geomean([c.order_ratio for c in bounded]):.3f}, "
+                         f"worst {worst.order_ratio:.3f}: {worst.table} p={worst.devices} m={worst.microbatches}); "
+                         f"where that is near 1 the rest of the gap is the structure's or the lower bound's slack")
         again = [c for c in done if c.recomputed]
         lines.append(f"activation recomputation in our plan: {len(again)}/{len(done)} cases"
                      + (": " + ", ".join(f"{c.table} p={c.devices} m={c.microbatches} ({c.recomputed}/{c.stages} stages)"
