@@ -21,7 +21,15 @@ from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
 from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
-from octopipe.solver import Refinement, balance_bound, input_gradients, order_bound, refine_order, release_bound
+from octopipe.solver import (
+    WHOLE_ORDER_OPS,
+    Refinement,
+    balance_bound,
+    input_gradients,
+    order_bound,
+    refine_order,
+    release_bound,
+)
 from octopipe.tuner import RUNNER_UP_MARGIN, Policy, Structure, TuneResult, list_schedule, plan_shape, tune
 
 GiB = 2**30
@@ -30,6 +38,14 @@ MAX_BYTES = 2**80
 
 
 MAX_RUNNERS_UP = 3
+
+SOLVER_WORK = 0.2
+"""CP-SAT's deterministic seconds (of one worker) per unit of `effort`, over the tuner's plan."""
+WHOLE_ORDER_WORK = 1.0
+"""The same where the whole op order is one model and the order bound leaves the tuner's plan
+more than ORDER_ROOM above it: on the demo's 72-op plan 0.2 found nothing, 1.0 an order 6.5%
+faster (about 6 s here)."""
+ORDER_ROOM = 0.02
 
 
 @dataclass
@@ -178,7 +194,16 @@ def plan(
             if say:
                 say(f"CP-SAT refinement ({remaining:.0f}s left)")
             room = _activation_room(simulate(best_plan, costs, cluster, memory=memory), activation_budget, memory_limit)
-            refinement = refine_order(best_plan, costs, cluster, work=0.2 * effort, max_windows=4,
+            work = SOLVER_WORK * effort
+            if best_plan.num_ops() <= WHOLE_ORDER_OPS:
+                # where no order of this structure can be much faster, the short model suffices;
+                # where the bound leaves room, the whole-order model gets more work to find it
+                ahead = tuned.best.iteration_ms / _structure_order_bound(best_plan, costs, room, memory) - 1
+                if ahead > ORDER_ROOM:
+                    work = WHOLE_ORDER_WORK * effort
+                    notes.append(f"solver: the tuner's order is {ahead:.1%} above its structure's order bound: "
+                                 f"CP-SAT given {WHOLE_ORDER_WORK / SOLVER_WORK:.0f}x the work on the whole order")
+            refinement = refine_order(best_plan, costs, cluster, work=work, max_windows=4,
                                       time_limit_s=remaining - 0.2, activation_budget=room, memory=memory, seed=seed)
             cut_short = cut_short or refinement.cut_short
             if refinement.iteration_ms < tuned.best.iteration_ms - 1e-9:
@@ -253,12 +278,17 @@ def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activat
                  memory_limit: float, memory: MemoryModel, refinement: Refinement | None) -> float:
     """No order of `chosen`'s structure within the limits beats this (`solver.order_bound` under
     each device's activation room; the CP-SAT whole-order model's bound where it ran on it)."""
-    room = _activation_room(sim, activation_limit, memory_limit)
-    sc = StageCosts.of(chosen.boundaries, costs, chosen.recompute, chosen.selective)
-    bound = order_bound(sc, chosen.placement, chosen.num_microbatches, room, memory.weight_memory_fraction)
+    bound = _structure_order_bound(chosen, costs, _activation_room(sim, activation_limit, memory_limit), memory)
     if refinement is not None and refinement.lower_bound_ms is not None:
         bound = max(bound, refinement.lower_bound_ms)
     return min(bound, sim.iteration_ms)
+
+
+def _structure_order_bound(plan_: PipelinePlan, costs: CostTable, room: Sequence[float], memory: MemoryModel) -> float:
+    """`solver.order_bound` of `plan_`'s structure (partition, placement, recomputation) within
+    each device's activation `room`."""
+    sc = StageCosts.of(plan_.boundaries, costs, plan_.recompute, plan_.selective)
+    return order_bound(sc, plan_.placement, plan_.num_microbatches, room, memory.weight_memory_fraction)
 
 
 def _activation_room(sim: SimResult, activation_limit: float | None, memory_limit: float) -> list[float]:

@@ -135,11 +135,13 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     picture = out / "timelines.png"
     draw_comparison({"octopipe": ours.simulation, best_name: theirs.simulation}, picture,
                     title="predicted timelines (profiled costs)")
-    ours.save(out / "octopipe-plan.txt")
-    theirs.save(out / f"{best_name.replace('/', '-')}-plan.txt")
+    # JSON: with the costs and cluster planned on, so `octopipe simulate` and `show` take them alone
+    ours.save(out / "octopipe-plan.json")
+    theirs.save(out / f"{best_name.replace('/', '-')}-plan.json")
     (out / "report.txt").write_text(str(report) + "\n")
     say(f"timeline pictures: {picture}; plans and report in {out}/ ({time.perf_counter() - started:.0f} s in all)")
     return {"measured_speedup": measured, "predicted_speedup": predicted, "best_baseline": best_name,
             "paired_speedup": paired_speedup(timing_ours, timing_theirs),
             "ours_ms": timing_ours.median_ms, "baseline_ms": timing_theirs.median_ms,
+            "ours_planned_ms": ours.simulation.iteration_ms,
             "ours_predicted_ms": predictions[0], "baseline_predicted_ms": predictions[1]}

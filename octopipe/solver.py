@@ -645,6 +645,11 @@ def balanced_structure(
     return boundaries, chosen
 
 
+WHOLE_ORDER_OPS = 160
+"""`refine_order` models the whole op order of a plan with at most this many ops as one CP-SAT
+model (whose bound then holds for every order of the structure); larger plans in windows."""
+
+
 @dataclass
 class Refinement:
     plan: PipelinePlan
@@ -668,7 +673,7 @@ def refine_order(
     time_limit_s: float | None = None,
     activation_budget: Sequence[float] | None = None,
     memory: MemoryModel = MemoryModel(),
-    max_window_ops: int = 160,
+    max_window_ops: int = WHOLE_ORDER_OPS,
     max_windows: int = 6,
     seed: int = 0,
 ) -> Refinement:

@@ -4,7 +4,9 @@ import re
 
 import pytest
 
+from octopipe.api import load_saved_plan
 from octopipe.demo import run_demo
+from octopipe.simulator import simulate
 
 
 @pytest.mark.timeout(280)
@@ -23,6 +25,10 @@ def test_quick_demo_trains_every_plan_to_the_same_losses_and_writes_pictures(tmp
     assert result["paired_speedup"].low <= result["paired_speedup"].median <= result["paired_speedup"].high
     assert (tmp_path / "demo" / "timelines.png").stat().st_size > 0
     assert (tmp_path / "demo" / "report.txt").read_text().startswith("OctoPipe plan")
+    saved = load_saved_plan(tmp_path / "demo" / "octopipe-plan.json")  # `octopipe simulate` needs nothing else
+    assert saved.costs is not None and saved.cluster is not None
+    assert simulate(saved.plan, saved.costs, saved.cluster).iteration_ms == pytest.approx(saved.iteration_ms)
+    assert saved.iteration_ms == pytest.approx(result["ours_planned_ms"])
 
 
 @pytest.mark.parametrize("low, high, starts", [

@@ -71,6 +71,29 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
         assert said == (limit is not None)
 
 
+@pytest.mark.timeout(180)
+def test_the_solver_gets_more_work_where_the_order_bound_leaves_room(monkeypatch):
+    # the demo's model as profiled on this CPU (10 layers, 2 processes, 4 microbatches): the
+    # tuner's 6-stage plan is ~10% above its structure's order bound; the short CP-SAT model
+    # finds nothing, the longer one an order ~6.5% faster (W deferred into the drain)
+    saved = octopipe.api.load_saved_plan(os.path.join(os.path.dirname(__file__), "data", "demo_cpu_plan.json"))
+    costs, cluster = saved.costs, saved.cluster
+
+    def planned():
+        result = octopipe.plan(costs, cluster, 4, time_limit_s=120, activation_limit="1f1b", quiet=True)
+        check_result(result, costs, cluster)
+        rows = {row.name: row.iteration_ms for row in result.report.rows}
+        return result, rows["octopipe tuner"]
+
+    result, tuner_ms = planned()
+    assert any("CP-SAT given" in note for note in result.report.notes), result.report.notes
+    assert result.report.iteration_ms <= 0.97 * tuner_ms, (result.report.iteration_ms, tuner_ms)
+    assert result.report.order_bound_ms <= result.report.iteration_ms
+    monkeypatch.setattr(octopipe.api, "WHOLE_ORDER_WORK", octopipe.api.SOLVER_WORK)
+    short, short_tuner_ms = planned()
+    assert short_tuner_ms == pytest.approx(tuner_ms)  # the same tuner plan: only the solver's work differs
+    assert short.report.iteration_ms > 0.99 * tuner_ms
+
 
 def test_min_gain_keeps_the_best_fitting_baseline_unless_the_search_beats_it_by_that_much():
     costs = heterogeneous(1)
