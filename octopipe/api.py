@@ -46,6 +46,8 @@ WHOLE_ORDER_WORK = 1.0
 more than ORDER_ROOM above it: on the demo's 72-op plan 0.2 found nothing, 1.0 an order 6.5%
 faster (about 6 s here)."""
 ORDER_ROOM = 0.02
+"""How far above its structure's order bound (`solver.order_bound`) the tuner's plan must be for
+the whole-order model to get WHOLE_ORDER_WORK."""
 
 
 @dataclass
@@ -102,6 +104,11 @@ def plan(
     job gets the same one. time_limit_s is a safety net on top: when it runs out first, the best
     valid plan found is returned and the report says the search was cut short (the plan may
     then differ between runs). Progress goes to stderr unless `quiet` (or to `progress`).
+
+    solver: refine the tuner's op order with CP-SAT (`solver.refine_order`, hinted with it, never
+    worse): the whole order as one model where the plan has at most `solver.WHOLE_ORDER_OPS` ops
+    (with WHOLE_ORDER_WORK instead of SOLVER_WORK per unit of effort where the order bound leaves
+    the tuner's plan over ORDER_ROOM above it), else windows of it.
 
     min_gain: return the best baseline that fits unless the searched plan is at least this much
     faster on paper (0.02 = 2%). The search's plans can have more stages and ops than any
