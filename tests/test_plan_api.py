@@ -74,8 +74,8 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
 @pytest.mark.timeout(180)
 def test_the_solver_gets_more_work_where_the_order_bound_leaves_room(monkeypatch):
     # the demo's model as profiled on this CPU (10 layers, 2 processes, 4 microbatches): the
-    # tuner's 6-stage plan is ~10% above its structure's order bound; the short CP-SAT model
-    # finds nothing, the longer one an order ~6.5% faster (W deferred into the drain)
+    # tuner's 6-stage plan is ~10% above its structure's order bound; with ortools 9.15 the short
+    # CP-SAT model finds nothing, the longer one an order ~6.5% faster (W deferred into the drain)
     saved = octopipe.api.load_saved_plan(os.path.join(os.path.dirname(__file__), "data", "demo_cpu_plan.json"))
     costs, cluster = saved.costs, saved.cluster
 
@@ -92,7 +92,8 @@ def test_the_solver_gets_more_work_where_the_order_bound_leaves_room(monkeypatch
     monkeypatch.setattr(octopipe.api, "WHOLE_ORDER_WORK", octopipe.api.SOLVER_WORK)
     short, short_tuner_ms = planned()
     assert short_tuner_ms == pytest.approx(tuner_ms)  # the same tuner plan: only the solver's work differs
-    assert short.report.iteration_ms > 0.99 * tuner_ms
+    # one worker, the same hint: the longer model continues the short one's search
+    assert result.report.iteration_ms <= short.report.iteration_ms + 1e-9
 
 
 def test_min_gain_keeps_the_best_fitting_baseline_unless_the_search_beats_it_by_that_much():
