@@ -486,8 +486,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         limit *= 2**30
     options = dict(time_limit_s=search_s,
                    memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
-                   activation_limit=limit, seed=args.seed, quiet=args.quiet, solver=not args.no_solver,
-                   min_gain=args.min_gain / 100, recompute=not args.no_recompute)
+                   activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
+                   solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -990,6 +990,9 @@ def _parser() -> argparse.ArgumentParser:
                         "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
                         "keep the fastest step")
     p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--effort", type=_positive_float, default=1.0,
+                   help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "
+                        "--effort and --seed, not on the machine, unless --time-limit cuts the search short")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (.json, or the text form otherwise)")
     p.add_argument("--runners-up", action="store_true",

@@ -44,6 +44,22 @@ def test_plan_simulate_show_round_trip(tmp_path, capsys):
     assert picture.read_text().lstrip().startswith("<?xml")
 
 
+def test_effort_scales_the_search_as_in_the_api(capsys):
+    from octopipe.api import plan
+    from octopipe.profiles import load_profile
+
+    def work(argv):
+        assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "60",
+                     "--quiet", "--no-solver", *argv]) == EXIT_OK
+        note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: tuner:"))
+        return int(note.split("(")[1].split(" op-steps")[0])
+
+    small, default = work(["--effort", "0.05"]), work([])
+    assert small < default
+    report = plan(load_profile(PROFILE), "h100x8", 8, num_devices=4, effort=0.05, solver=False, quiet=True,
+                  time_limit_s=60).report
+    assert f"({small} op-steps" in "\n".join(report.notes)
+
 
 def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
@@ -309,7 +325,8 @@ def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, caps
     for argv in (["plan", "--model", "gemma", "--activation-limit", "junk"], ["train", "--model", "gemma", "--steps", "0"],
                  ["plan", "--model", "gemma", "--memory-limit", "0"], ["plan", "--model", "gemma", "--microbatches", "0"],
                  ["simulate", "p.json", "--devices", "-1"], ["plan", "--model", "gemma", "--time-limit", "nan"],
-                 ["plan", "--model", "gemma", "--seed", "-3"]):
+                 ["plan", "--model", "gemma", "--seed", "-3"], ["plan", "--model", "gemma", "--effort", "0"],
+                 ["plan", "--model", "gemma", "--effort", "nan"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == EXIT_USAGE
