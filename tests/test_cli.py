@@ -44,19 +44,23 @@ def test_plan_simulate_show_round_trip(tmp_path, capsys):
     assert picture.read_text().lstrip().startswith("<?xml")
 
 
-def test_effort_scales_the_search_as_in_the_api(capsys):
+def test_effort_scales_the_search_as_in_the_api(tmp_path, capsys):
     from octopipe.api import plan
-    from octopipe.profiles import load_profile
+    from octopipe.ir.costs import CostTable
+
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps({"layers": [{"name": f"l{i}", "forward_ms": 1 + i % 3, "backward_ms": 2 + i % 4}
+                                            for i in range(10)]}))
 
     def work(argv):
-        assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "60",
+        assert main(["plan", "--costs", str(table), "--devices", "3", "--microbatches", "6", "--time-limit", "60",
                      "--quiet", "--no-solver", *argv]) == EXIT_OK
         note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: tuner:"))
         return int(note.split("(")[1].split(" op-steps")[0])
 
-    small, default = work(["--effort", "0.05"]), work([])
-    assert small < default
-    report = plan(load_profile(PROFILE), "h100x8", 8, num_devices=4, effort=0.05, solver=False, quiet=True,
+    small, larger = work(["--effort", "0.005"]), work(["--effort", "0.02"])
+    assert small < larger
+    report = plan(CostTable.load(table), "h100x8", 6, num_devices=3, effort=0.005, solver=False, quiet=True,
                   time_limit_s=60).report
     assert f"({small} op-steps" in "\n".join(report.notes)
 
