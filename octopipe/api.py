@@ -205,7 +205,8 @@ def plan(
             if best_plan.num_ops() <= WHOLE_ORDER_OPS:
                 # where no order of this structure can be much faster, the short model suffices;
                 # where the bound leaves room, the whole-order model gets more work to find it
-                ahead = tuned.best.iteration_ms / _structure_order_bound(best_plan, costs, room, memory) - 1
+                bound_ms = _structure_order_bound(best_plan, costs, room, memory)
+                ahead = tuned.best.iteration_ms / bound_ms - 1 if bound_ms > 0 else 0.0
                 if ahead > ORDER_ROOM:
                     work = WHOLE_ORDER_WORK * effort
                     notes.append(f"solver: the tuner's order is {ahead:.1%} above its structure's order bound: "
