@@ -20,17 +20,25 @@ from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
-from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
+from octopipe.simulator import MemoryModel, SimResult, simulate
 from octopipe.solver import (
     WHOLE_ORDER_OPS,
     Refinement,
     balance_bound,
     input_gradients,
-    order_bound,
     refine_order,
     release_bound,
 )
-from octopipe.tuner import RUNNER_UP_MARGIN, Policy, Structure, TuneResult, list_schedule, plan_shape, tune
+from octopipe.tuner import (
+    RUNNER_UP_MARGIN,
+    Policy,
+    Structure,
+    TuneResult,
+    list_schedule,
+    plan_shape,
+    structure_order_bound,
+    tune,
+)
 
 GiB = 2**30
 MAX_BYTES = 2**80
@@ -205,7 +213,7 @@ def plan(
             if best_plan.num_ops() <= WHOLE_ORDER_OPS:
                 # where no order of this structure can be much faster, the short model suffices;
                 # where the bound leaves room, the whole-order model gets more work to find it
-                bound_ms = _structure_order_bound(best_plan, costs, room, memory)
+                bound_ms = structure_order_bound(Structure.of(best_plan), costs, num_microbatches, room, memory)
                 ahead = tuned.best.iteration_ms / bound_ms - 1 if bound_ms > 0 else 0.0
                 if ahead > ORDER_ROOM:
                     work = WHOLE_ORDER_WORK * effort
@@ -286,17 +294,11 @@ def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activat
                  memory_limit: float, memory: MemoryModel, refinement: Refinement | None) -> float:
     """No order of `chosen`'s structure within the limits beats this (`solver.order_bound` under
     each device's activation room; the CP-SAT whole-order model's bound where it ran on it)."""
-    bound = _structure_order_bound(chosen, costs, _activation_room(sim, activation_limit, memory_limit), memory)
+    bound = structure_order_bound(Structure.of(chosen), costs, chosen.num_microbatches,
+                                  _activation_room(sim, activation_limit, memory_limit), memory)
     if refinement is not None and refinement.lower_bound_ms is not None:
         bound = max(bound, refinement.lower_bound_ms)
     return min(bound, sim.iteration_ms)
-
-
-def _structure_order_bound(plan_: PipelinePlan, costs: CostTable, room: Sequence[float], memory: MemoryModel) -> float:
-    """`solver.order_bound` of `plan_`'s structure (partition, placement, recomputation) within
-    each device's activation `room`."""
-    sc = StageCosts.of(plan_.boundaries, costs, plan_.recompute, plan_.selective)
-    return order_bound(sc, plan_.placement, plan_.num_microbatches, room, memory.weight_memory_fraction)
 
 
 def _activation_room(sim: SimResult, activation_limit: float | None, memory_limit: float) -> list[float]:

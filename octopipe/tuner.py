@@ -710,11 +710,7 @@ class _Search:
         keeps is the same, at less work."""
         if not current.feasible or self.best is None:
             return False
-        from octopipe.solver import order_bound
-
-        sc = StageCosts.of(structure.boundaries, self.costs, structure.recompute, structure.selective)
-        bound = order_bound(sc, structure.placement, self.m, self.budget_for(structure),
-                            self.memory.weight_memory_fraction)
+        bound = structure_order_bound(structure, self.costs, self.m, self.budget_for(structure), self.memory)
         if bound < max(current.iteration_ms, self.best.iteration_ms * (1 + RUNNER_UP_MARGIN)) * (1 + 1e-9):
             return False
         self.ruled_out += 1
@@ -728,6 +724,16 @@ class _Search:
 
 
 # -- structures -----------------------------------------------------------------------------------
+
+def structure_order_bound(structure: Structure, costs: CostTable, num_microbatches: int,
+                          activation_budget: Sequence[float] | None, memory: MemoryModel) -> float:
+    """`solver.order_bound` of `structure` (partition, placement, recomputation): no op order of
+    it whose activations stay within `activation_budget` per device is faster."""
+    from octopipe.solver import order_bound
+
+    sc = StageCosts.of(structure.boundaries, costs, structure.recompute, structure.selective)
+    return order_bound(sc, structure.placement, num_microbatches, activation_budget, memory.weight_memory_fraction)
+
 
 def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:
     """Named stage -> device maps for `num_stages` stages: looped (s mod p) and zigzag (V:
