@@ -133,7 +133,7 @@ def analytic_tables(cluster: ClusterSpec, families: Sequence[str] | None = None,
 
 
 def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_limit_s: float,
-             activation_limit: str | None = "1f1b", recompute: bool = True) -> Case:
+             activation_limit: str | None = "1f1b", recompute: bool = True, effort: float = 1.0) -> Case:
     case = Case(name, devices, microbatches)
     cluster = ClusterSpec.preset("h100x16", num_devices=devices)
     if devices > len(costs):
@@ -141,7 +141,7 @@ def run_case(name: str, costs: CostTable, devices: int, microbatches: int, time_
         return case
     try:
         result = plan(costs, cluster, microbatches, time_limit_s=time_limit_s, activation_limit=activation_limit,
-                      quiet=True, recompute=recompute)
+                      quiet=True, recompute=recompute, effort=effort)
     except OctopipeError as exc:
         case.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
         return case
@@ -239,7 +239,7 @@ def summary(cases: list[Case]) -> list[str]:
     return lines
 
 
-def growth(time_limit_s: float) -> list[str]:
+def growth(time_limit_s: float, effort: float = 1.0) -> list[str]:
     """Planning seconds as devices and microbatches grow (deepseek-16B, heterogeneous)."""
     costs = load_profile("deepseek-16B")
     lines = ["== planning time growth (deepseek-16B; seconds, '*' = cut short by the time limit)",
@@ -247,7 +247,7 @@ def growth(time_limit_s: float) -> list[str]:
     for devices in (4, 8, 16):
         cells = []
         for factor in (2, 4, 8):
-            case = run_case("deepseek-16B", costs, devices, factor * devices, time_limit_s)
+            case = run_case("deepseek-16B", costs, devices, factor * devices, time_limit_s, effort=effort)
             cells.append(f"{case.seconds:>9.1f}{'*' if case.cut_short else ' '}" if not case.error else f"{'error':>10}")
         lines.append(f"{devices:>8}" + "".join(cells))
     return lines
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="1f1b: no device holds more activations than the 1F1B baselines' busiest (default); "
                              "none: only the device memory limits plans, ours and the baselines' alike")
     parser.add_argument("--no-recompute", action="store_true", help="plans never recompute activations")
+    parser.add_argument("--effort", type=float, default=1.0, help="the planner's work budget (plan's `effort`)")
     args = parser.parse_args(argv)
     device_counts = [int(x) for x in args.devices.split(",")]
     factors = [int(x) for x in args.factors.split(",")]
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     limit = ("the 1F1B baselines' busiest device" if args.activation_limit == "1f1b"
              else "none (device memory only)")
     print(f"OctoPipe plan vs baselines: activation limit = {limit}; "
-          f"H100 nodes of 8 (NVLink, InfiniBand between nodes); time limit {args.time_limit:.0f}s per case")
+          f"H100 nodes of 8 (NVLink, InfiniBand between nodes); time limit {args.time_limit:.0f}s per case"
+          + (f"; effort {args.effort:g}" if args.effort != 1.0 else ""))
     print(HEADER)
     print("-" * len(HEADER))
     cases = []
@@ -287,14 +289,14 @@ def main(argv: list[str] | None = None) -> None:
             for factor in factors:
                 case = run_case(name, costs, devices, factor * devices, args.time_limit,
                                 None if args.activation_limit == "none" else args.activation_limit,
-                                recompute=not args.no_recompute)
+                                recompute=not args.no_recompute, effort=args.effort)
                 cases.append(case)
                 print(format_case(case), flush=True)
     print()
     print("\n".join(summary(cases)))
     if not args.no_growth:
         print()
-        print("\n".join(growth(args.time_limit)))
+        print("\n".join(growth(args.time_limit, args.effort)))
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 
 

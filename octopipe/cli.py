@@ -682,7 +682,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
                             "(it counts every rank of every replica)")
     planning_only = [flag for flag, given in (("--time-limit", args.time_limit is not None), ("--profile", args.profile),
-                                              ("--candidates", args.candidates > 1)) if given]
+                                              ("--candidates", args.candidates > 1), ("--effort", args.effort is not None))
+                     if given]
     if (args.plan or args.schedule) and planning_only:
         raise OctopipeError(f"train: {', '.join(planning_only)} apply when train plans; with "
                             f"{'--plan' if args.plan else '--schedule'} nothing is planned")
@@ -717,7 +718,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs="profile" if args.profile else "analytic",
                             plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
-                            quiet=args.quiet, autocast=args.autocast, data_parallel=args.data_parallel)
+                            effort=args.effort or 1.0, quiet=args.quiet, autocast=args.autocast,
+                            data_parallel=args.data_parallel)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -803,8 +805,8 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if rank == 0:
         first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
                                  loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
-                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, quiet=args.quiet,
-                                 autocast=args.autocast, data_parallel=args.data_parallel)
+                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0,
+                                 quiet=args.quiet, autocast=args.autocast, data_parallel=args.data_parallel)
         plan_text = [str(first.plan)]
     dist.broadcast_object_list(plan_text, src=0)
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
@@ -877,7 +879,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += [word for item in args.set or () for word in ("--set", item)]
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
-                        ("--cluster", args.cluster), ("--time-limit", args.time_limit)):
+                        ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
             words += [flag, str(value)]
     words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
@@ -1051,6 +1053,8 @@ def _parser() -> argparse.ArgumentParser:
                         "built on the meta device (--size paper) is created from it on each rank (default there: "
                         "the built-in model's own initialization, drawn per rank)")
     p.add_argument("--time-limit", type=_positive_float, default=None, help="planner seconds (default 10)")
+    p.add_argument("--effort", type=_positive_float, default=None,
+                   help="scale the planner's work budget (default 1; see plan --effort)")
     p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")
     p.add_argument("--quiet", action="store_true")

@@ -182,6 +182,13 @@ def test_train_torchrun_line(capsys):
     assert main(["train", "--model", "llama", "--optimizer", "adamw", "--clip-grad", "1", "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out
     assert "--optimizer adamw" in line and "--clip-grad 1.0" in line
+    assert main(["train", "--model", "llama", "--effort", "3", "--time-limit", "90", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--effort 3.0" in line and "--time-limit 90.0" in line
+    assert main(["train", "--model", "llama", "--effort", "3", "--schedule", "1f1b"]) == EXIT_ERROR
+    assert "--effort apply when train plans" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a usage error, as for plan --effort 0
+        main(["train", "--model", "llama", "--effort", "0"])
     assert main(["train", "--model", "llama", "--clip-grad", "0"]) == EXIT_ERROR
     assert "must be > 0" in capsys.readouterr().err
 

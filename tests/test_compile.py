@@ -156,6 +156,26 @@ def test_bad_arguments_are_clear_errors(tmp_path):
                          num_microbatches=2, plan=tmp_path / "four.json")
     with pytest.raises(OctopipeError, match="rank must be in 0..1"):
         pipe.engine(5)
+    for effort in (0, -1.0, float("nan"), "3"):
+        with pytest.raises(octopipe.ArgumentError, match="effort must be a positive number"):
+            octopipe.compile(model, CLUSTER, example_inputs=x, loss_fn=models.lm_loss, effort=effort)
+
+
+def test_effort_scales_compiles_search_as_plans():
+    # compile's search is plan's: the same work budget for the same effort, and more for more
+    model, x, y = _tiny("llama")
+
+    def steps(effort):
+        pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                                num_microbatches=4, effort=effort, quiet=True, time_limit_s=120)
+        note = next(line for line in pipe.report.notes if line.startswith("tuner:"))
+        return int(note.split("(")[1].split(" op-steps")[0]), pipe
+
+    small, pipe = steps(0.01)
+    larger, _ = steps(0.04)
+    assert small < larger
+    again = octopipe.plan(pipe.costs, CLUSTER, 4, effort=0.01, quiet=True, time_limit_s=120)
+    assert again.plan == pipe.plan and f"({small} op-steps" in "\n".join(again.report.notes)
 
 
 def _receive_positions(pipe):
