@@ -974,7 +974,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_costs_options(p)
     _add_cluster_options(p)
     p.add_argument("--microbatches", type=_positive_int, default=16)
-    p.add_argument("--time-limit", type=_positive_float, default=30.0,
+    p.add_argument("--time-limit", type=_positive_float, default=60.0,
                    help="seconds for the whole planning: tracing and costing a --model, then the search in "
                         "what is left (at least a tenth)")
     p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
