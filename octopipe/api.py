@@ -573,7 +573,7 @@ class Pipeline:
         from octopipe.runtime.engine import Engine
 
         if not 0 <= rank < self.world_size:
-            raise OctopipeError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
+            raise ArgumentError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
         options.setdefault("loss_weight", self.loss_weight)
         options.setdefault("autocast", self.autocast)
         options.setdefault("data_parallel", self.data_parallel)
@@ -602,7 +602,7 @@ class Pipeline:
             return format_programs(self.programs)
         if level == "stages":
             return "\n".join(stage.describe() for stage in self.stages) + "\n"
-        raise OctopipeError(f"pipe.dump: unknown IR level {level!r}; levels are {', '.join(DUMP_LEVELS)}")
+        raise ArgumentError(f"pipe.dump: unknown IR level {level!r}; levels are {', '.join(DUMP_LEVELS)}")
 
     def dump_all(self, directory: str | Path) -> list[Path]:
         """Write every level as NN_<level>.txt (the IR after each pass) into `directory`."""
@@ -824,6 +824,8 @@ def compile(
         runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
             chosen = timed("plan", lambda: load_plan(plan))
+            if isinstance(plan, (str, Path)):
+                _warn_planned_elsewhere(plan, table, micro, num_microbatches)
         elif schedule is not None:
             chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
                                                            num_devices=num_devices, partition=partition))
@@ -1003,6 +1005,31 @@ def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: 
 _RUNNING_STATS = ("BatchNorm", "InstanceNorm", "SyncBatchNorm")
 
 
+def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[Any], num_microbatches: int) -> None:
+    """Warn where a saved plan file says it was planned on another model's costs or on
+    microbatches of another size than compile's: it still runs (the layers match), but its
+    predicted time and memory are for what it was planned on."""
+    import warnings
+
+    from octopipe.errors import OctopipeWarning
+
+    try:
+        saved = load_saved_plan(path)
+    except OctopipeError:
+        return  # the text form, read by load_plan already: nothing saved beside it
+    planned = saved.costs.model if saved.costs is not None else ""
+    if planned and table.model and planned != table.model:
+        warnings.warn(f"compile: {path} was planned on the costs of {planned}, this model is {table.model}: it runs "
+                      f"(the layer counts match), but its predicted time and memory are {planned}'s; plan again for "
+                      "this model (octopipe.plan, or octopipe plan --model)", OctopipeWarning, stacklevel=3)
+    size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "dim") and micro[0].dim() else None
+    if saved.microbatch_size and size and size != saved.microbatch_size:
+        warnings.warn(f"compile: {path} was planned for microbatches of {saved.microbatch_size} samples, this batch "
+                      f"makes microbatches of {size}: its predicted time and memory are for the planned size; use a "
+                      f"batch of {saved.microbatch_size * num_microbatches} or plan again for this one",
+                      OctopipeWarning, stacklevel=3)
+
+
 def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
     """Warn where the model's forward reads batch statistics or updates buffers: a pipeline runs
     it once per microbatch, so it sees 1/num_microbatches of the batch and updates that many
@@ -1084,4 +1111,4 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
                              autocast=autocast, num_microbatches=num_microbatches)
     if isinstance(costs, (str, Path)) and Path(costs).suffix in (".json", ".yaml", ".yml"):
         return CostTable.load(costs)
-    raise OctopipeError(f"compile: costs must be 'analytic', 'profile', a cost table file or a CostTable, got {costs!r}")
+    raise ArgumentError(f"compile: costs must be 'analytic', 'profile', a cost table file or a CostTable, got {costs!r}")

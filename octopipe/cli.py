@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
     stdout = sys.stdout
     sys.stdout = _ClosedPipeSafe(stdout)
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         _resolve_defaults(args)
         return args.run(args) or EXIT_OK
@@ -47,6 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         sys.stdout = stdout
+        warnings.showwarning = shown
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """OctoPipe's own warnings as `warning: ...` lines on stderr (not Python's file:line form)."""
+    from octopipe.errors import OctopipeWarning
+
+    if issubclass(category, OctopipeWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=sys.stderr)
 
 
 class _ClosedPipeSafe:
@@ -134,13 +149,16 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
     if args.command in ("simulate", "show"):
         return  # the microbatches (and so the batch size) are each plan file's own, set in _plan_inputs
     plan_file = getattr(args, "plan", None)
-    saved = saved_replicas = None
+    saved = saved_replicas = saved_size = None
     if plan_file and Path(plan_file).exists():  # (a missing one is reported where it is used)
         from octopipe.api import load_saved_plan
 
         context = load_saved_plan(plan_file)
         saved = context.plan
         saved_replicas = context.cluster.data_parallel if context.cluster is not None else None
+        saved_size = context.microbatch_size
+    if args.command == "dump" and saved is not None and not getattr(args, "devices", None):
+        args.devices = saved.num_devices  # the plan's devices, as train and simulate take them
     if args.command == "train" and args.data_parallel is None:  # the plan's own replica count, else one
         args.data_parallel = saved_replicas or 1
     if saved is not None and getattr(args, "devices", None) and args.devices != saved.num_devices:
@@ -160,7 +178,10 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
             raise OctopipeError(f"--nprocs {args.nprocs}: {plan_file} runs on {saved.num_devices} devices{times}; drop "
                                 "--nprocs (it defaults to the plan's) or plan again for this many")
     if getattr(args, "batch_size", "unset") is None:
-        args.batch_size = _default_batch_size(max(1, getattr(args, "microbatches", 1) or 1))
+        if saved is not None and saved_size and args.microbatches == saved.num_microbatches:
+            args.batch_size = saved_size * saved.num_microbatches  # the batch the plan was costed on
+        else:
+            args.batch_size = _default_batch_size(max(1, getattr(args, "microbatches", 1) or 1))
 
 
 def _default_batch_size(microbatches: int) -> int:
@@ -285,12 +306,23 @@ def _load_model(args: argparse.Namespace):
     return made["model"], inputs, target, loss_fn
 
 
+def _need_target(args: argparse.Namespace, target: Any) -> None:
+    """Training needs a target batch: a factory that gives none can be planned and dumped (the
+    loss is traced on a guessed one), not trained."""
+    from octopipe.errors import OctopipeError
+
+    if target is None:
+        raise OctopipeError(f"train --model {args.model}: the factory's dict has no 'target', and training needs one "
+                            "(plan, simulate and dump trace the loss on a guessed target); add 'target': one batch of "
+                            "targets for its 'inputs'")
+
+
 def _factory_options(args: argparse.Namespace) -> None:
     """A factory makes its own model and batch: a built-in model's options would be ignored."""
     from octopipe.errors import OctopipeError
 
     if args.model_options:
-        raise OctopipeError(f"--model {args.model}: {', '.join(args.model_options)} apply to the built-in models only; "
+        raise OctopipeError(f"--model {args.model}: {', '.join(args.model_options)} appl{'y' if len(args.model_options) > 1 else 'ies'} to the built-in models only; "
                             "a factory makes its own model and batch (change them there)")
 
 
@@ -566,11 +598,14 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
     else the defaults (cluster only; costs are required). `given` keeps the command line's costs
     for the next plan file (a --model's analytic costs per cluster)."""
     from octopipe.api import load_saved_plan
-    from octopipe.errors import OctopipeError
+    from octopipe.errors import OctopipeError, PlanError
 
     saved = load_saved_plan(path)
     plan_ = saved.plan
-    plan_.validate()  # (against the costs' layers in simulate)
+    try:
+        plan_.validate()  # (against the costs' layers in simulate)
+    except PlanError as exc:
+        raise PlanError(f"{path}: {exc}") from None
     if args.microbatches is not None and args.microbatches != plan_.num_microbatches:
         raise _other_microbatches(args.microbatches, path, plan_.num_microbatches)
     if args.devices is not None and args.devices != plan_.num_devices:
@@ -586,6 +621,9 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         cluster = saved.cluster.with_devices(args.devices) if args.devices else saved.cluster
     else:
         cluster = _cluster(args)
+        if saved.cluster is None and args.cluster is None:
+            print(f"note: {path} does not say what cluster it was planned on; simulating it on {cluster.name} (give "
+                  "--cluster)", file=sys.stderr)
         if saved.cluster is not None and cluster != saved.cluster:
             print(f"note: {path} was planned on cluster {saved.cluster.name}; simulating it on {cluster.name} as asked",
                   file=sys.stderr)
@@ -685,7 +723,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                               ("--candidates", args.candidates > 1), ("--effort", args.effort is not None))
                      if given]
     if (args.plan or args.schedule) and planning_only:
-        raise OctopipeError(f"train: {', '.join(planning_only)} apply when train plans; with "
+        raise OctopipeError(f"train: {', '.join(planning_only)} appl{'y' if len(planning_only) > 1 else 'ies'} when train plans; with "
                             f"{'--plan' if args.plan else '--schedule'} nothing is planned")
     if args.candidates > 1 and (args.torchrun or "RANK" in os.environ):
         raise OctopipeError("train --candidates: plans are measured against each other on local processes; for a "
@@ -704,6 +742,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cluster.num_devices != args.nprocs:
         cluster = cluster.with_devices(args.nprocs)
     model, inputs, target, loss_fn = _load_model(args)
+    _need_target(args, target)
     if any(param.is_meta for param in model.parameters()):
         raise OctopipeError(f"train --model {args.model}: the model is on the meta device; local training needs a "
                             "real one (a meta model trains under torchrun, each rank creating its own stages)")
@@ -733,6 +772,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
+    if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
+        print(f"note: analytic costs price FLOPs and bytes at {cluster.name}'s rates, not this machine's per-op "
+              "overheads (large for small models on CPUs); --profile plans with measured costs, and its prediction "
+              "is the one to compare", file=sys.stderr)
     return EXIT_OK
 
 
@@ -793,6 +836,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if cluster.num_devices != world_size:
         cluster = cluster.with_devices(world_size)
     model, inputs, target, loss_fn = _load_model(args)
+    _need_target(args, target)
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
     # and each rank creates only its own stages, on its own GPU
     on_meta = any(param.is_meta for param in model.parameters())
@@ -973,12 +1017,13 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="search the best plan for a cost table or a model")
     _add_costs_options(p)
     _add_cluster_options(p)
-    p.add_argument("--microbatches", type=_positive_int, default=16)
+    p.add_argument("--microbatches", type=_positive_int, default=16, help="microbatches per step (default 16)")
     p.add_argument("--time-limit", type=_positive_float, default=60.0,
-                   help="seconds for the whole planning: tracing and costing a --model, then the search in "
-                        "what is left (at least a tenth)")
+                   help="seconds for the whole planning (default 60): tracing and costing a --model, then the search "
+                        "in what is left (at least a tenth)")
     p.add_argument("--activation-limit", type=_activation_limit_arg, default=None, metavar="GiB|1f1b|none",
-                   help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device holds")
+                   help="cap on activation memory per device (GiB), or 1f1b: what the 1F1B baselines' busiest device "
+                        "holds (default none: only the device memory)")
     p.add_argument("--memory-limit", type=_positive_float, default=None, metavar="GiB", help="device memory (default: the cluster's)")
     p.add_argument("--no-solver", action="store_true", help="skip the CP-SAT refinement")
     p.add_argument("--min-gain", type=_percent, default=0.0, metavar="PCT",
@@ -1055,7 +1100,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_positive_float, default=None, help="planner seconds (default 10)")
     p.add_argument("--effort", type=_positive_float, default=None,
                    help="scale the planner's work budget (default 1; see plan --effort)")
-    p.add_argument("--cluster", default=None, help="cluster spec for planning (default: cpuxN)")
+    p.add_argument("--cluster", default=None,
+                   help="cluster spec for planning (default: cpuxN locally, h100xN under torchrun)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for a GPU cluster instead")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_train, devices=None)

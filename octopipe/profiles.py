@@ -39,11 +39,12 @@ Consumed by the CLI (`octopipe plan --costs data/profiles/...json`) and the benc
 from __future__ import annotations
 
 import statistics
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from octopipe.errors import CostTableError
+from octopipe.errors import CostTableError, OctopipeWarning
 from octopipe.ir.costs import CostTable
 from octopipe.ir.files import parse_json, read_text
 
@@ -99,7 +100,15 @@ def load_profile(path: str | Path, hidden_size: int | None = None, *, selective:
         raise CostTableError(f"{path}: kind_legend must map layer kinds to descriptions, got {legend!r:.80}")
     costs = fill_bytes(costs, seq_len, hidden, legend, where=str(path))
     fractions = SELECTIVE_FRACTIONS.get(model) if selective else None
-    return fill_selective(costs, fractions, where=str(path)) if fractions else costs
+    if not fractions:
+        return costs
+    unknown = sorted({layer.kind.split("+")[0] for layer in costs} - set(fractions))
+    if unknown:
+        warnings.warn(f"{path}: no selective-recomputation estimates for layer kind(s) {unknown} (known for {model}: "
+                      f"{sorted(fractions)}); selective recomputation keeps all of their activations (no saving, no "
+                      "extra time)", OctopipeWarning, stacklevel=2)
+        fractions = {**fractions, **{kind: (1.0, 0.0) for kind in unknown}}
+    return fill_selective(costs, fractions, where=str(path))
 
 
 def fill_bytes(costs: CostTable, seq_len: int, hidden_size: int, kind_legend: dict[str, str], *,
@@ -145,8 +154,8 @@ def fill_selective(costs: CostTable, fractions: dict[str, tuple[float, float]], 
     base = {layer.kind.split("+")[0] for layer in costs}
     missing = sorted(base - set(fractions))
     if missing:
-        raise CostTableError(f"{where}: no selective-recomputation fractions for layer kinds {missing}; "
-                             "load it with selective=False")
+        raise CostTableError(f"{where}: no selective-recomputation fractions for layer kinds {missing} (known: "
+                             f"{sorted(fractions)}); give them, or load it with selective=False")
     median = {}
     for kind in base:
         times = [layer.forward_ms for layer in costs if layer.kind == kind]

@@ -579,7 +579,7 @@ def _boundaries(
 def build(
     name: str,
     costs: CostTable,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     num_microbatches: int,
     *,
     num_devices: int | None = None,
@@ -596,6 +596,7 @@ def build(
     account_for_embedding, account_for_loss (see `uniform_boundaries`).
     Raises PlanError naming the constraint where the family is undefined for the input."""
     family = _family(name)
+    cluster = ClusterSpec.of(cluster, f"{name}: cluster")  # a preset name or spec file too
     unknown = sorted(set(options) - set(_UNIFORM_OPTIONS))
     if unknown:
         raise ArgumentError(f"{name}: unknown option(s) {unknown}; valid options are {list(_UNIFORM_OPTIONS)}")

@@ -186,7 +186,7 @@ def test_train_torchrun_line(capsys):
     line = capsys.readouterr().out
     assert "--effort 3.0" in line and "--time-limit 90.0" in line
     assert main(["train", "--model", "llama", "--effort", "3", "--schedule", "1f1b"]) == EXIT_ERROR
-    assert "--effort apply when train plans" in capsys.readouterr().err
+    assert "--effort applies when train plans" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a usage error, as for plan --effort 0
         main(["train", "--model", "llama", "--effort", "0"])
     assert main(["train", "--model", "llama", "--clip-grad", "0"]) == EXIT_ERROR
@@ -376,6 +376,11 @@ def good():
 
 def small():
     return {**good(), "inputs": torch.zeros(4, 4), "target": torch.zeros(4, 4)}
+
+def no_target():
+    made = good()
+    del made["target"]
+    return made
 '''
 
 
@@ -754,3 +759,46 @@ def test_a_plan_for_another_model_names_the_plan_and_the_model(tmp_path, capsys)
     assert f"{plan_path}: its stages cover 24 layers, but --model llama has 8" in capsys.readouterr().err
     assert main(["dump", "--model", "llama", "--plan", str(plan_path)]) == EXIT_INVALID_PLAN
     assert f"plan {plan_path} covers 24 layers but the traced model LlamaModel has 8" in capsys.readouterr().err
+
+
+def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
+    # stop 28's README/CLI audit, each a traceback or a silent surprise before
+    (tmp_path / "facts.py").write_text(FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "facts", raising=False)
+    # a factory without a target plans and dumps, and train says what it needs in one line
+    assert main(["dump", "--level", "graph", "--model", "facts:no_target"]) == EXIT_OK
+    capsys.readouterr()
+    assert "has no 'target', and training needs one" in _error(["train", "--model", "facts:no_target", "--steps", "1"],
+                                                               capsys)
+    # train --plan trains the batch the plan was costed on (microbatches of 8 here), not the default
+    assert main(["plan", "--model", "llama", "--batch-size", "32", "--microbatches", "4", "--cluster", "cpux2",
+                 "--time-limit", "5", "--quiet", "--no-solver", "-o", "p32.json"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["train", "--model", "llama", "--plan", "p32.json", "--torchrun"]) == EXIT_OK
+    assert "--batch-size 32" in capsys.readouterr().out
+    # dump --plan takes the plan's devices (a 3-device plan on the default 2-device cluster)
+    assert main(["plan", "--model", "llama", "--devices", "3", "--microbatches", "3", "--cluster", "cpux2",
+                 "--time-limit", "5", "--quiet", "--no-solver", "-o", "three.json"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["dump", "--model", "llama", "--plan", "three.json", "--level", "plan"]) == EXIT_OK
+    assert "devices=3" in capsys.readouterr().out
+    # another model's plan (same layer count) and another microbatch size are run, with a warning line each
+    assert main(["plan", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
+                 "--quiet", "--no-solver", "-o", "gemma.json"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["dump", "--model", "llama", "--plan", "gemma.json", "--level", "plan"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert err.startswith("warning: compile: gemma.json was planned on the costs of") and "Traceback" not in err
+    assert main(["dump", "--model", "llama", "--plan", "p32.json", "--batch-size", "16", "--level", "plan"]) == EXIT_OK
+    assert "planned for microbatches of 8 samples, this batch makes microbatches of 4" in capsys.readouterr().err
+    # a profile with a layer kind the selective estimates do not know plans, with a warning line
+    raw = json.loads(PROFILE.read_text())
+    raw["layers"][3]["kind"] = "Q"
+    raw["kind_legend"]["Q"] = "a new kind of block"
+    (tmp_path / "kind.json").write_text(json.dumps(raw))
+    assert main(["plan", "--costs", "kind.json", "--devices", "4", "--microbatches", "8", "--time-limit", "5",
+                 "--quiet", "--no-solver"]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "no selective-recomputation estimates for layer kind(s) ['Q']" in err and err.startswith("warning: ")

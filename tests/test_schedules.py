@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from octopipe import schedules
 from octopipe.cluster import ClusterSpec
-from octopipe.errors import ArgumentError, PlanError
+from octopipe.errors import ArgumentError, ClusterSpecError, PlanError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.plan import OpKind, PipelinePlan
 from octopipe.schedules import (
@@ -378,3 +378,11 @@ def test_device_orders_do_not_depend_on_costs():
     orders = schedules.device_orders("zb-v", 4, 8)
     plan = build("zb-v", uniform_costs(8), free_cluster(4), 8, partition="balanced")
     assert plan.device_ops == orders
+
+
+def test_build_takes_a_preset_name_as_plan_and_compile_do():
+    costs = CostTable(tuple(LayerCost(f"l{i}", forward_ms=1.0 + i % 3, backward_ms=2.0) for i in range(8)))
+    named = schedules.build("zb-v", costs, "h100x4", 8, partition="balanced")
+    assert named == schedules.build("zb-v", costs, ClusterSpec.preset("h100x4"), 8, partition="balanced")
+    with pytest.raises(ClusterSpecError, match="unknown cluster preset 'h100x99x'"):
+        schedules.build("zb-v", costs, "h100x99x", 8)
