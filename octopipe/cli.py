@@ -157,8 +157,8 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
         saved = context.plan
         saved_replicas = context.cluster.data_parallel if context.cluster is not None else None
         saved_size = context.microbatch_size
-    if args.command == "dump" and saved is not None and not getattr(args, "devices", None):
-        args.devices = saved.num_devices  # the plan's devices, as train and simulate take them
+    if args.command == "dump" and saved is not None and not args.devices and args.cluster is None:
+        args.devices = saved.num_devices  # the plan's devices on the default cluster, as train and simulate take them
     if args.command == "train" and args.data_parallel is None:  # the plan's own replica count, else one
         args.data_parallel = saved_replicas or 1
     if saved is not None and getattr(args, "devices", None) and args.devices != saved.num_devices:
