@@ -174,6 +174,8 @@ class ClusterSpec:
             return cls(**data)
         except TypeError as exc:
             raise ClusterSpecError(f"{where}: {exc}") from None
+        except ClusterSpecError as exc:  # a field's value: say which file (or mapping) it came from
+            raise ClusterSpecError(f"{where}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -47,6 +47,13 @@ def test_invalid_specs_raise_clear_errors(fields, message):
         ClusterSpec(**fields)
 
 
+def test_a_bad_value_in_a_spec_file_names_the_file(tmp_path):
+    path = tmp_path / "negative.yaml"
+    path.write_text("preset: h100x8\nlatency_s: -1\n")
+    with pytest.raises(ClusterSpecError, match=r"negative\.yaml: .*latency_s must be in"):
+        ClusterSpec.of(path)
+
+
 def test_unknown_preset_lists_examples():
     with pytest.raises(ClusterSpecError, match="unknown cluster preset 'tpu-v5'.*h100x8"):
         ClusterSpec.preset("tpu-v5")
