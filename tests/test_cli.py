@@ -802,3 +802,13 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
                  "--quiet", "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
     assert "no selective-recomputation estimates for layer kind(s) ['Q']" in err and err.startswith("warning: ")
+    # a text-form plan says nothing of its cluster: simulate says which one it took
+    assert main(["plan", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
+                 "--quiet", "--no-solver", "-o", "gemma.txt"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["simulate", "gemma.txt", "--model", "gemma"]) == EXIT_OK
+    assert "does not say what cluster it was planned on; simulating it on h100x8" in capsys.readouterr().err
+    # python -m octopipe is the command line
+    run = subprocess.run([sys.executable, "-m", "octopipe", "plan", "--help"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0 and "--effort" in run.stdout
