@@ -316,13 +316,22 @@ def _runners_up(tuned: TuneResult, searched: SimResult, chosen: PipelinePlan, ch
     if searched.plan is not chosen:
         pool.append((searched.iteration_ms, searched.plan))
     taken = {plan_shape(Structure.of(chosen))}
+    # a plan with the same stages and the same time as one taken is, in all likelihood, that plan
+    # on its devices renamed (identical devices swapped): measuring it again would teach nothing
+    alike = {_mirror_key(chosen, chosen_ms)}
     found = []
     for ms, candidate in sorted(pool, key=lambda pair: pair[0]):
-        shape = plan_shape(Structure.of(candidate))
-        if ms <= chosen_ms * (1 + RUNNER_UP_MARGIN) and shape not in taken:
+        shape, key = plan_shape(Structure.of(candidate)), _mirror_key(candidate, ms)
+        if ms <= chosen_ms * (1 + RUNNER_UP_MARGIN) and shape not in taken and key not in alike:
             taken.add(shape)
+            alike.add(key)
             found.append((ms, candidate))
     return found[:MAX_RUNNERS_UP]
+
+
+def _mirror_key(plan_: PipelinePlan, ms: float) -> tuple:
+    """What a plan and its copy on renamed devices share: stages, recomputation, time (to 1e-9)."""
+    return plan_.boundaries, plan_.recompute, plan_.selective, round(ms, 6)
 
 
 _search = plan  # compile()'s `plan` argument shadows the function

@@ -343,6 +343,31 @@ def test_runners_up_are_other_shapes_that_fit_within_the_margin():
         shapes.add(shape)
 
 
+def test_a_runner_up_with_the_chosen_plans_stages_and_time_is_left_out():
+    # (stop 28's audit: three runners-up at the chosen plan's 1747.0 ms, each the same plan with
+    # two identical devices' stages swapped; measuring them would teach nothing)
+    from types import SimpleNamespace
+
+    from octopipe.api import _runners_up
+    from octopipe.ir.plan import PipelinePlan
+    from octopipe.tuner import Structure, plan_shape
+
+    costs = heterogeneous(3, num_layers=12)
+    cluster = ClusterSpec.preset("h100x4")
+    chosen = octopipe.schedules.build("interleaved-1f1b", costs, cluster, 8, partition="balanced")
+    ms = simulate(chosen, costs, cluster).iteration_ms
+    # stages 4 and 5 trade devices: another shape, the same stages
+    rename = {4: 5, 5: 4}
+    ops = [[replace(op, stage=rename.get(op.stage, op.stage)) for op in chosen.device_ops[d]] for d in range(4)]
+    swapped = PipelinePlan.build(8, chosen.boundaries, [0, 1, 2, 3, 1, 0, 2, 3], ops)
+    assert plan_shape(Structure.of(swapped)) != plan_shape(Structure.of(chosen))
+    searched = SimpleNamespace(plan=chosen, iteration_ms=ms)
+    pool = SimpleNamespace(runners_up=[SimpleNamespace(iteration_ms=ms, plan=swapped)])
+    assert _runners_up(pool, searched, chosen, ms) == []
+    slower = SimpleNamespace(runners_up=[SimpleNamespace(iteration_ms=ms * 1.01, plan=swapped)])
+    assert _runners_up(slower, searched, chosen, ms) == [(ms * 1.01, swapped)]
+
+
 def test_plans_that_visit_devices_in_the_same_order_are_one_shape():
     from octopipe.tuner import Structure, plan_shape
 
