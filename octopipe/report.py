@@ -107,24 +107,24 @@ class PlanReport:
         for row in sorted(self.rows, key=lambda r: (r.kind != "baseline", r.iteration_ms)):
             marker = "*" if row.name == self.chosen else " "
             lines.append(
-                f"{marker}{row.name:<33} {row.num_stages:>6} {row.iteration_ms:>11.2f} {row.bubble_ratio:>6.1%} "
+                f"{marker}{row.name:<33} {row.num_stages:>6} {_ms(row.iteration_ms):>11} {row.bubble_ratio:>6.1%} "
                 f"{row.peak_activation_bytes / GiB:>8.2f} {row.peak_memory_bytes / GiB:>8.2f} {'yes' if row.fits else 'no':>5} "
                 f"{row.iteration_ms / self.iteration_ms:>7.3f}x"
             )
         best = self.best_baseline
         fitting = self.best_fitting_baseline
         lines.append(
-            f"speedup {self.speedup:.3f}x over the best baseline ({best.name}, {best.iteration_ms:.2f} ms"
+            f"speedup {self.speedup:.3f}x over the best baseline ({best.name}, {_ms(best.iteration_ms)} ms"
             + ("" if best.fits else ", over the memory limit") + ")"
             + (f"; {fitting.iteration_ms / self.iteration_ms:.3f}x over the best that fits ({fitting.name})"
                if fitting is not None and fitting is not best else "")
         )
         lines.append(
-            f"balance bound {self.balance_bound_ms:.2f} ms ({'exact' if self.balance_bound_optimal else 'best found'}; "
-            f"plan at {self.balance_ratio:.3f}x), lower bound {self.lower_bound_ms:.2f} ms, gap {self.gap:.1%}"
+            f"balance bound {_ms(self.balance_bound_ms)} ms ({'exact' if self.balance_bound_optimal else 'best found'}; "
+            f"plan at {self.balance_ratio:.3f}x), lower bound {_ms(self.lower_bound_ms)} ms, gap {self.gap:.1%}"
         )
         if self.order_bound_ms is not None:
-            lines.append(f"order bound {self.order_bound_ms:.2f} ms for this plan's partition and placement (plan at "
+            lines.append(f"order bound {_ms(self.order_bound_ms)} ms for this plan's partition and placement (plan at "
                          f"{self.iteration_ms / self.order_bound_ms:.3f}x: the most a better op order could gain)")
         timing = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.stage_seconds.items())
         lines.append(f"planned in {self.planning_seconds:.1f}s ({timing})" + (" - cut short by the time limit" if self.cut_short else ""))
@@ -145,3 +145,9 @@ class PlanReport:
             "rows": [row.__dict__ for row in self.rows],
             "notes": self.notes,
         }
+
+
+def _ms(value: float) -> str:
+    """Milliseconds to two decimals, or to three significant digits below 1 ms (a tiny model's
+    plan on a GPU preset runs in microseconds: 0.00 ms would say nothing)."""
+    return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"

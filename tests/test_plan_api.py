@@ -492,3 +492,11 @@ def test_inputs_found_by_a_bad_input_sweep_fail_clearly(tmp_path):
     # a JSON plan file named in capitals is JSON still
     result.save(tmp_path / "PLAN.JSON")
     assert octopipe.api.load_saved_plan(tmp_path / "PLAN.JSON").costs == result.costs
+
+
+def test_a_report_of_microsecond_plans_keeps_three_significant_digits():
+    # (stop 28's audit: a tiny model on a GPU preset printed "lower bound 0.00 ms")
+    from octopipe.report import _ms
+
+    assert _ms(1234.5678) == "1234.57" and _ms(0.0663) == "0.0663" and _ms(0.000123456) == "0.000123"
+    assert _ms(0.0) == "0.00"
