@@ -450,6 +450,12 @@ def test_outputs_are_checked_before_the_work_and_ignored_options_are_refused(tmp
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
     assert "is not a torch checkpoint" in _error(["train", "--model", "llama", "--init", str(junk)], capsys)
+    # a pickle of more than tensors: no advice to load it with weights_only=False (that runs its code)
+    import pickle
+
+    (tmp_path / "object.pt").write_bytes(pickle.dumps({"model": CostTable}, protocol=2))
+    err = _error(["train", "--model", "llama", "--init", str(tmp_path / "object.pt")], capsys)
+    assert "read with weights_only=True, so no pickled code runs" in err and "weights_only set to False" not in err
 
 
 def test_simulate_prices_a_text_plan_at_its_own_microbatch_count_and_validates_it(tmp_path, capsys):

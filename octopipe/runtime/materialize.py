@@ -106,9 +106,13 @@ def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str
         try:
             state = torch.load(path, map_location=device, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds (pickle, zip, EOF) on a bad file
-            raise ExecutionError(f"rank {rank}: init checkpoint {path!r} is not a torch checkpoint "
-                                 f"({type(exc).__name__}: {str(exc)[:200]}); give a file written by "
-                                 "Engine.save_checkpoint or torch.save(model.state_dict(), path)") from None
+            # torch's own text may advise weights_only=False (running the file's pickled code): not ours to pass on
+            why = ("it holds more than tensors and plain containers; checkpoints are read with "
+                   "weights_only=True, so no pickled code runs" if "weights_only" in str(exc)
+                   else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            raise ExecutionError(f"rank {rank}: init checkpoint {path!r} is not a torch checkpoint of tensors "
+                                 f"({why}); give a file written by Engine.save_checkpoint or "
+                                 "torch.save(model.state_dict(), path)") from None
     if not isinstance(state, Mapping):
         raise ExecutionError(f"rank {rank}: init checkpoint is a {type(state).__name__}, not a state dict")
     return state if isinstance(state.get("model"), Mapping) else {"model": state}
