@@ -31,10 +31,14 @@ __all__ = [
 ]
 
 
+_LAZY_MODULES = ("runtime", "bench", "models", "viz", "demo", "solver", "tuner", "report", "passes")
+"""Submodules imported on first use (`octopipe.bench.runtime_profile(...)` after `import octopipe`):
+some pull in torch.distributed or matplotlib, which `import octopipe` alone should not."""
+
+
 def __getattr__(name: str):
-    # `octopipe.runtime` on first use: importing it pulls in torch.distributed
-    if name == "runtime":
+    if name in _LAZY_MODULES:
         import importlib
 
-        return importlib.import_module("octopipe.runtime")
+        return importlib.import_module(f"octopipe.{name}")
     raise AttributeError(f"module 'octopipe' has no attribute {name!r}")

@@ -4,6 +4,7 @@ run are in `passes/`, the search in `tuner.py` and `solver.py`."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
@@ -561,6 +562,10 @@ class Pipeline:
     data_parallel: int = 1
     """Replicas of the pipeline (compile's `data_parallel`): `world_size` is the plan's devices
     times it, and rank r runs pipeline rank r // data_parallel of replica r % data_parallel."""
+    num_inputs: int | None = None
+    """How many model inputs (the example batch's, less the target) every step takes."""
+    microbatch_size: int | None = None
+    """Samples per microbatch of the example batch (what `save` records with the plan)."""
 
     @property
     def world_size(self) -> int:
@@ -581,8 +586,13 @@ class Pipeline:
         from octopipe.runtime.amp import autocast_dtype
         from octopipe.runtime.engine import Engine
 
-        if not 0 <= rank < self.world_size:
-            raise ArgumentError(f"pipe.engine: rank must be in 0..{self.world_size - 1}, got {rank}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ArgumentError(f"pipe.engine: rank must be an integer in 0..{self.world_size - 1}, got {rank!r}")
+        known = set(inspect.signature(Engine.__init__).parameters) - {"self", "rank", "world_size", "stages", "program",
+                                                                      "num_microbatches"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ArgumentError(f"pipe.engine: unknown option(s) {unknown}; the options are {sorted(known)}")
         options.setdefault("loss_weight", self.loss_weight)
         options.setdefault("autocast", self.autocast)
         options.setdefault("data_parallel", self.data_parallel)
@@ -593,6 +603,7 @@ class Pipeline:
             raise ArgumentError(f"pipe.engine: autocast={options['autocast']!r}, but the pipeline was compiled with "
                                 f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
                                 "compile again with the autocast to run")
+        options.setdefault("num_inputs", self.num_inputs)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -627,7 +638,9 @@ class Pipeline:
     def save(self, path: str | Path) -> None:
         """Save the plan to reuse with compile(plan=path): JSON for .json (with the costs, cluster
         and predicted iteration time, see `save_plan`), else the text form."""
-        save_plan(self.plan, path, costs=self.costs, cluster=self.cluster,
+        # the cluster as the plan saw it: one replica's devices, with the replica count
+        cluster = self.cluster.replica(self.data_parallel) if self.data_parallel > 1 else self.cluster
+        save_plan(self.plan, path, costs=self.costs, cluster=cluster, microbatch_size=self.microbatch_size,
                   iteration_ms=self.simulation.iteration_ms if self.simulation is not None else None)
 
 
@@ -800,7 +813,10 @@ def compile(
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if plan is not None and schedule is not None:
-        raise OctopipeError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
+        raise ArgumentError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
+    if not callable(loss_fn) or _positional_arity(loss_fn) not in (None, 2):
+        raise ArgumentError(f"compile: loss_fn must be a function loss_fn(output, target) -> scalar loss, got "
+                            f"{loss_fn!r:.60}")
     if not _positive_finite(effort):
         raise ArgumentError(f"compile: effort must be a positive number (the search's work budget; 1 by default), "
                             f"got {effort!r}")
@@ -877,8 +893,9 @@ def compile(
         programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
+        size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "dim") and micro[0].dim() else None
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
-                        seconds, loss_weight, runners_up, autocast, data_parallel)
+                        seconds, loss_weight, runners_up, autocast, data_parallel, len(inputs), size)
 
 
 @dataclass
@@ -1014,6 +1031,19 @@ def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: 
 _RUNNING_STATS = ("BatchNorm", "InstanceNorm", "SyncBatchNorm")
 
 
+def _positional_arity(function: Callable[..., Any]) -> int | None:
+    """How many positional arguments `function` takes (None: any number, or not knowable)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    return 2 if len(required) <= 2 <= len(positional) else len(positional)
+
+
 def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[Any], num_microbatches: int) -> None:
     """Warn where a saved plan file says it was planned on another model's costs or on
     microbatches of another size than compile's: it still runs (the layers match), but its
@@ -1027,6 +1057,8 @@ def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[
     except OctopipeError:
         return  # the text form, read by load_plan already: nothing saved beside it
     planned = saved.costs.model if saved.costs is not None else ""
+    if saved.plan.num_layers != len(table):
+        return  # another layer count: compile refuses the plan next, no warning needed
     if planned and table.model and planned != table.model:
         warnings.warn(f"compile: {path} was planned on the costs of {planned}, this model is {table.model}: it runs "
                       f"(the layer counts match), but its predicted time and memory are {planned}'s; plan again for "

@@ -131,7 +131,8 @@ class ClusterSpec:
             raise ClusterSpecError(f"{where}: this spec is already one of {self.data_parallel} replicas")
         if self.num_devices % data_parallel:
             raise ClusterSpecError(f"{where}: they must divide the {self.num_devices} devices")
-        per_node = self.devices_per_node
+        # devices on one node (all of a local CPU "cluster") see the same links whatever the count
+        per_node = min(self.devices_per_node, self.num_devices)
         if per_node % data_parallel and data_parallel % per_node:
             raise ClusterSpecError(f"{where}: the count must divide the {per_node} devices of a node or be a "
                                    "multiple of it, so that every replica sees the same links")
@@ -139,7 +140,7 @@ class ClusterSpec:
             return self
         bandwidth = self.intra_node_bandwidth if data_parallel <= per_node else self.inter_node_bandwidth
         return dataclasses.replace(self, num_devices=self.num_devices // data_parallel,
-                                   devices_per_node=max(1, per_node // data_parallel), data_parallel=data_parallel,
+                                   devices_per_node=max(1, self.devices_per_node // data_parallel), data_parallel=data_parallel,
                                    data_parallel_bandwidth=bandwidth, name=f"{self.name}/{data_parallel}")
 
     def all_reduce_ms(self, num_bytes: float) -> float:

@@ -1,6 +1,8 @@
 """octopipe.compile: the pass pipeline, the Pipeline object, IR dumps, saved plans, errors.
 (Exactness of training under every schedule family is tested in tests/runtime.)"""
 
+import warnings
+
 import pytest
 import torch
 
@@ -357,3 +359,64 @@ def test_analytic_costs_count_the_gradient_accumulation_of_the_step():
     batch = x[0].shape[0] // 4 if isinstance(x, tuple) else x.shape[0] // 4
     assert pipe.costs == analytic_costs(pipe.graph, pipe.cluster, batch_size=batch, num_microbatches=4)
     assert pipe.costs != analytic_costs(pipe.graph, pipe.cluster, batch_size=batch)
+
+
+def test_what_a_second_user_audit_found_is_fixed(tmp_path):
+    # stop 28's second audit: each a silent wrong answer, a lost setting or a raw exception before
+    from octopipe.api import load_saved_plan
+
+    model, x, y = _tiny("gemma")
+    ids = x[0] if isinstance(x, tuple) else x
+    pipe = octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                            num_microbatches=4, schedule="1f1b")
+    # one tensor too many was taken as the target on the loss's rank (a silently wrong loss): every rank refuses it
+    for rank in (0, 1):
+        with pytest.raises(octopipe.ArgumentError, match=r"got 2 input tensor\(s\) and a target, but the pipeline was "
+                                                         r"compiled for 1 input"):
+            pipe.engine(rank).step((ids, ids), y)
+        with pytest.raises(octopipe.ArgumentError, match="no target"):
+            pipe.engine(rank).step((ids,))
+        with pytest.raises(octopipe.ArgumentError, match="must be a tensor or a tuple of tensors"):
+            pipe.engine(rank).step(None, y)
+        with pytest.raises(octopipe.ArgumentError, match="input 0 must be a torch.Tensor"):
+            pipe.engine(rank).step((ids.numpy(),), y)
+    for bad in ("0", 0.0, True):
+        with pytest.raises(octopipe.ArgumentError, match="rank must be an integer"):
+            pipe.engine(bad)
+    with pytest.raises(octopipe.ArgumentError, match=r"unknown option\(s\) \['foo'\]"):
+        pipe.engine(0, foo=1)
+    engine = pipe.engine(0)
+    with pytest.raises(octopipe.ArgumentError, match="load_state_dict takes"):
+        engine.load_state_dict({"foo": 1})
+    with pytest.raises(octopipe.ExecutionError, match="does not exist"):
+        engine.load_checkpoint(tmp_path / "missing.pt")
+    # Pipeline.save keeps the microbatch size (compile then warns on another) and a replica's count
+    pipe.save(tmp_path / "p.json")
+    assert load_saved_plan(tmp_path / "p.json").microbatch_size == 2
+    with pytest.warns(octopipe.OctopipeWarning, match="planned for microbatches of 2 samples"):
+        octopipe.compile(model, CLUSTER, example_inputs=torch.cat([ids, ids]), example_target=torch.cat([y, y]),
+                         loss_fn=models.lm_loss, num_microbatches=4, plan=tmp_path / "p.json")
+    replicas = octopipe.compile(model, "cpux4", example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                                num_microbatches=4, schedule="1f1b", data_parallel=2)
+    replicas.save(tmp_path / "dp.json")
+    saved = load_saved_plan(tmp_path / "dp.json").cluster
+    assert saved.data_parallel == 2 and saved.num_devices == 2
+    # a local cluster takes any replica count that divides its processes
+    assert octopipe.ClusterSpec.preset("cpux6").replica(3).num_devices == 2
+    # a loss that is not a function of (output, target) is refused before tracing
+    for loss in ("ce", lambda output: output.sum()):
+        with pytest.raises(octopipe.ArgumentError, match=r"loss_fn must be a function loss_fn\(output, target\)"):
+            octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=loss, schedule="1f1b")
+    # a plan of another layer count: the error alone, not first a warning that it runs
+    deep, dx, dy = _tiny("nemotron-h")
+    other = octopipe.compile(deep, CLUSTER, example_inputs=dx, example_target=dy, loss_fn=models.lm_loss,
+                             schedule="1f1b")
+    assert len(other.costs) != len(pipe.costs)
+    other.save(tmp_path / "other.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", octopipe.OctopipeWarning)
+        with pytest.raises(octopipe.OctopipeError, match="layers"):
+            octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                             plan=tmp_path / "other.json")
+    # every submodule the README names is there after `import octopipe`
+    assert callable(octopipe.bench.runtime_profile) and callable(octopipe.models.init_module)

@@ -717,6 +717,11 @@ def _build_graph(
         hint = "If this module branches on tensor values, mark it a leaf module and trace on real (not meta) tensors"
         if layer_name == loss_name and root._octopipe_reduced:
             hint = _loss_reads(root)
+        elif layer_name == loss_name and args and hasattr(args[-1], "shape"):
+            shapes = ", ".join(f"input {i} {tuple(t.shape)}" for i, t in enumerate(args[:-1]) if hasattr(t, "shape"))
+            hint = (f"The loss got the model's output and the target {tuple(args[-1].shape)} ({shapes}): check "
+                    "that example_target is the target of this example batch (the same rows) and that loss_fn "
+                    "takes (output, target)")
         raise TraceError(
             f"trace: shape propagation failed at node {failure.node.name!r} ({failure.node.op} {_target_name(failure.node)}) "
             f"in layer {layer_name!r}: {failure.message}. {hint}"

@@ -74,7 +74,7 @@ from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
-from octopipe.runtime.materialize import Init, is_checkpoint, load_named, materialize
+from octopipe.runtime.materialize import Init, checkpoint_state, is_checkpoint, load_named, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads, selective_checkpoint
 
 
@@ -171,6 +171,7 @@ class Engine:
         autocast: torch.dtype | str | None = None,
         data_parallel: int = 1,
         loss_scaler: amp.LossScaler | None = None,
+        num_inputs: int | None = None,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -184,7 +185,9 @@ class Engine:
         same autocast. `data_parallel` = D: `world_size` ranks are D replicas of the pipeline (see `Replicas`);
         `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D.
         `loss_scaler`: fp16 autocast's dynamic loss scale (default `amp.LossScaler()`, GradScaler's
-        defaults); refused without fp16."""
+        defaults); refused without fp16. `num_inputs`: how many model inputs the pipeline was
+        compiled for (`Pipeline.engine` gives it): then every rank refuses a `step` or `evaluate`
+        with another count or without a target, not only the ranks that read the batch."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -195,6 +198,10 @@ class Engine:
                                  f"engine is pipeline rank {self.replicas.stage_rank} of {self.replicas.pipeline_size}"
                                  + (f" (rank {rank} of {world_size} in {data_parallel} replicas)" if data_parallel > 1
                                     else ""))
+        if num_inputs is not None and (isinstance(num_inputs, bool) or not isinstance(num_inputs, int)
+                                       or num_inputs < 0):
+            raise ArgumentError(f"rank {rank}: Engine(num_inputs={num_inputs!r}) must be a non-negative integer")
+        self.num_inputs = num_inputs
         self.rank = rank
         self.world_size = world_size
         self.program = program
@@ -395,8 +402,8 @@ class Engine:
         across all ranks (a tied one by the lowest rank holding it), is at most `max_norm`, as
         `torch.nn.utils.clip_grad_norm_` does on the plain model. Returns that norm before
         clipping. A norm taken on one rank alone would clip each rank by a different factor."""
-        if not max_norm > 0:
-            raise ExecutionError(f"rank {self.rank}: clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ArgumentError(f"rank {self.rank}: clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}")
         norm_type = float(norm_type)
         me = self.replicas.stage_rank
         counted = [param.grad for name, param in self._params.items()
@@ -459,6 +466,22 @@ class Engine:
 
     def _run_program(self, instructions: Sequence[Instruction], inputs: Sequence[Tensor], target: Tensor | None,
                      call: str) -> float:
+        if isinstance(inputs, Tensor):
+            inputs = (inputs,)  # one input tensor, as compile's example_inputs takes it
+        if not isinstance(inputs, (tuple, list)):
+            raise ArgumentError(f"rank {self.rank}: {call}: inputs must be a tensor or a tuple of tensors (one batch), "
+                                f"got {type(inputs).__name__}")
+        if self.num_inputs is not None and (len(inputs) != self.num_inputs or target is None):
+            # checked on every rank, so that none waits for a rank that refused the batch
+            raise ArgumentError(f"rank {self.rank}: {call} got {len(inputs)} input tensor(s) and "
+                                f"{'a' if target is not None else 'no'} target, but the pipeline was compiled for "
+                                f"{self.num_inputs} input(s) and its loss needs the target: call "
+                                f"{call[:-2]}(inputs, target) with the model's {self.num_inputs} input(s)")
+        for position, tensor in enumerate((*inputs, target) if target is not None else inputs):
+            if not isinstance(tensor, Tensor):
+                what = "the target" if position == len(inputs) else f"input {position}"
+                raise ArgumentError(f"rank {self.rank}: {call}: {what} must be a torch.Tensor, got "
+                                    f"{type(tensor).__name__}")
         batch = (*inputs, target) if target is not None else tuple(inputs)
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
@@ -878,6 +901,11 @@ class Engine:
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds from a full (merged) state or a shard."""
+        if not isinstance(state, Mapping) or not isinstance(state.get("model"), Mapping):
+            keys = sorted(map(str, state))[:8] if isinstance(state, Mapping) else type(state).__name__
+            raise ArgumentError(f"rank {self.rank}: load_state_dict takes {{'model': {{name: tensor}}, 'optimizer': "
+                                f"..., }} as state_dict / gather_state_dict give it, got {keys}; a plain model's "
+                                "state dict goes in as {'model': model.state_dict()}")
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
         if self.optimizer is not None and "optimizer" in state:
@@ -910,11 +938,16 @@ class Engine:
             dist.broadcast_object_list(flag, src=0)
             if flag[0] and error is None:
                 raise ExecutionError(f"rank {self.rank}: checkpoint save to {os.fspath(path)!r} failed on rank 0")
+        if isinstance(error, OSError):
+            raise ExecutionError(f"rank {self.rank}: cannot write checkpoint {os.fspath(path)!r}: "
+                                 f"{error.strerror or error}; give a path in an existing, writable folder") from None
         if error is not None:
             raise error
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+        """Load a checkpoint written by `save_checkpoint` (every rank reads the entries it holds)."""
+        state = checkpoint_state(os.fspath(path), self.device, self.rank)
+        self.load_state_dict(state)
 
 
 # -- state helpers (also for the plain model) -------------------------------------------------------

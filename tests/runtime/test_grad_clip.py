@@ -4,7 +4,7 @@ import pytest
 import torch
 from pipeline_helpers import assert_grads_close, build_model, make_case
 
-from octopipe.errors import ExecutionError
+from octopipe.errors import ArgumentError
 from octopipe.runtime import launch
 
 
@@ -46,6 +46,7 @@ def test_max_norm_must_be_positive():
     case = make_case("llama", "1f1b", 1, 2)
     engine = case.engine(0)
     engine.step(case.inputs, case.target)
-    with pytest.raises(ExecutionError, match="max_norm must be > 0"):
-        engine.clip_grad_norm_(0.0)
+    for bad in (0.0, -1, "1.0", None, True):
+        with pytest.raises(ArgumentError, match="max_norm must be a number > 0"):
+            engine.clip_grad_norm_(bad)
     assert engine.clip_grad_norm_(1e9) > 0  # one rank alone: its own norm, nothing clipped
