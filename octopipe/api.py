@@ -627,12 +627,16 @@ class Pipeline:
     def dump_all(self, directory: str | Path) -> list[Path]:
         """Write every level as NN_<level>.txt (the IR after each pass) into `directory`."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         paths = []
-        for number, level in enumerate(DUMP_LEVELS, 1):
-            path = directory / f"{number:02d}_{level}.txt"
-            path.write_text(self.dump(level))
-            paths.append(path)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for number, level in enumerate(DUMP_LEVELS, 1):
+                path = directory / f"{number:02d}_{level}.txt"
+                path.write_text(self.dump(level))
+                paths.append(path)
+        except OSError as exc:
+            raise ArgumentError(f"pipe.dump_all({str(directory)!r}): cannot write there ({exc.strerror or exc}); give "
+                                "a folder (it is created if missing)") from None
         return paths
 
     def save(self, path: str | Path) -> None:
@@ -669,6 +673,10 @@ def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None 
     `iteration_ms` are given under PLANNED_WITH (`PipelinePlan.from_json`, `load_plan` and
     `compile(plan=path)` read the plan and skip them); the text form for any other suffix."""
     path = Path(path)
+    if not path.parent.is_dir():
+        raise ArgumentError(f"save plan: the folder of {str(path)!r} does not exist; create it or write elsewhere")
+    if path.is_dir():
+        raise ArgumentError(f"save plan: {str(path)!r} is a folder; give a file name (plan.json, or plan.txt)")
     if path.suffix.lower() != ".json":
         path.write_text(str(plan_))
         return
@@ -810,6 +818,10 @@ def compile(
         raise ArgumentError(f"compile: data_parallel must be a positive integer (replicas), got {data_parallel!r}")
     full_cluster, cluster = cluster, cluster.replica(data_parallel) if data_parallel > 1 else cluster
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    empty = [i for i, t in enumerate(inputs) if hasattr(t, "dim") and t.dim() and t.shape[0] == 0]
+    if empty:
+        raise ArgumentError(f"compile: example input {empty[0]} has no rows (dim 0 is 0); give one real batch of at "
+                            "least num_microbatches samples")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if plan is not None and schedule is not None:

@@ -418,5 +418,13 @@ def test_what_a_second_user_audit_found_is_fixed(tmp_path):
         with pytest.raises(octopipe.OctopipeError, match="layers"):
             octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                              plan=tmp_path / "other.json")
+    with pytest.raises(octopipe.ArgumentError, match="has no rows"):
+        octopipe.compile(model, CLUSTER, example_inputs=(ids[:0],), example_target=y[:0], loss_fn=models.lm_loss)
+    # output paths: a missing folder or a file where a folder goes is a clear error
+    with pytest.raises(octopipe.ArgumentError, match="does not exist"):
+        pipe.save(tmp_path / "no" / "p.json")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(octopipe.ArgumentError, match="cannot write there"):
+        pipe.dump_all(tmp_path / "a_file")
     # every submodule the README names is there after `import octopipe`
     assert callable(octopipe.bench.runtime_profile) and callable(octopipe.models.init_module)
