@@ -156,7 +156,7 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(octopipe.ArgumentError, match="plan has 4 microbatches but num_microbatches=2"):
         octopipe.compile(model, CLUSTER, example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                          num_microbatches=2, plan=tmp_path / "four.json")
-    with pytest.raises(OctopipeError, match="rank must be in 0..1"):
+    with pytest.raises(OctopipeError, match="rank must be an integer in 0..1"):
         pipe.engine(5)
     for effort in (0, -1.0, float("nan"), "3"):
         with pytest.raises(octopipe.ArgumentError, match="effort must be a positive number"):

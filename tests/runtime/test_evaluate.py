@@ -111,6 +111,6 @@ def test_evaluate_on_one_rank_and_without_the_target():
     tokens, target = _batch()
     engine = octopipe.compile(_model(), "cpu", num_devices=1, example_inputs=(tokens,), example_target=target,
                               loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b", quiet=True).engine(0)
-    with pytest.raises(octopipe.OctopipeError, match=r"evaluate\(\) got 1 input\(s\) and no target"):
+    with pytest.raises(octopipe.OctopipeError, match=r"evaluate\(\) got 1 input tensor\(s\) and no target"):
         engine.evaluate((tokens,))
     assert engine.evaluate((tokens,), target) == pytest.approx(_plain_eval(False, microbatches=2), rel=1e-6)
