@@ -94,7 +94,8 @@ def _tokens(cfg: Any, batch_size: int, seq_len: int | None) -> Tensor:
     """[batch, seq + 1] token ids on the CPU: inputs are [:, :-1], targets [:, 1:]."""
     length = cfg.max_seq_len if seq_len is None else seq_len
     if not 1 <= length <= cfg.max_seq_len:
-        raise ModelConfigError(f"seq_len={length} must be in 1..max_seq_len={cfg.max_seq_len}")
+        raise ModelConfigError(f"seq_len={length} must be in 1..max_seq_len={cfg.max_seq_len}; for longer sequences "
+                               f"raise the model's max_seq_len (CLI: --set max_seq_len={max(length, 1)})")
     if batch_size < 1:
         raise ModelConfigError(f"batch_size={batch_size} must be >= 1")
     generator = torch.Generator(device="cpu").manual_seed(_TOKEN_SEED)
