@@ -566,6 +566,8 @@ class Pipeline:
     """How many model inputs (the example batch's, less the target) every step takes."""
     microbatch_size: int | None = None
     """Samples per microbatch of the example batch (what `save` records with the plan)."""
+    batch_specs: tuple | None = None
+    """(shape, dtype) of each tensor of the example batch, inputs then target: what every step takes."""
 
     @property
     def world_size(self) -> int:
@@ -604,6 +606,7 @@ class Pipeline:
                                 f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
                                 "compile again with the autocast to run")
         options.setdefault("num_inputs", self.num_inputs)
+        options.setdefault("batch_specs", self.batch_specs)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -906,8 +909,10 @@ def compile(
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
         size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "dim") and micro[0].dim() else None
+        batch = (*inputs, example_target) if example_target is not None else inputs
+        specs = tuple((tuple(t.shape), t.dtype) for t in batch) if all(hasattr(t, "dtype") for t in batch) else None
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
-                        seconds, loss_weight, runners_up, autocast, data_parallel, len(inputs), size)
+                        seconds, loss_weight, runners_up, autocast, data_parallel, len(inputs), size, specs)
 
 
 @dataclass

@@ -380,6 +380,12 @@ def test_what_a_second_user_audit_found_is_fixed(tmp_path):
             pipe.engine(rank).step(None, y)
         with pytest.raises(octopipe.ArgumentError, match="input 0 must be a torch.Tensor"):
             pipe.engine(rank).step((ids.numpy(),), y)
+    # a target of another shape: refused on rank 0 too, which does not read it (it would wait for rank 1)
+    assert not any(src.is_batch and src.index == 1 for stage in pipe.stages if pipe.plan.stages[stage.index].device == 0
+                   for src in stage.inputs)
+    with pytest.raises(octopipe.ArgumentError, match=r"the target is \(8, 31\) torch.int64, but the pipeline was "
+                                                     r"compiled for \(8, 32\)"):
+        pipe.engine(0).step((ids,), y[:, :-1])
     for bad in ("0", 0.0, True):
         with pytest.raises(octopipe.ArgumentError, match="rank must be an integer"):
             pipe.engine(bad)

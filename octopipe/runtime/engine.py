@@ -172,6 +172,7 @@ class Engine:
         data_parallel: int = 1,
         loss_scaler: amp.LossScaler | None = None,
         num_inputs: int | None = None,
+        batch_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -187,7 +188,9 @@ class Engine:
         `loss_scaler`: fp16 autocast's dynamic loss scale (default `amp.LossScaler()`, GradScaler's
         defaults); refused without fp16. `num_inputs`: how many model inputs the pipeline was
         compiled for (`Pipeline.engine` gives it): then every rank refuses a `step` or `evaluate`
-        with another count or without a target, not only the ranks that read the batch."""
+        with another count or without a target, not only the ranks that read the batch.
+        `batch_specs`: the (shape, dtype) of each batch tensor, inputs then target, as compiled
+        (`Pipeline.engine` gives them): then every rank checks every tensor of a batch."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -202,6 +205,7 @@ class Engine:
                                        or num_inputs < 0):
             raise ArgumentError(f"rank {rank}: Engine(num_inputs={num_inputs!r}) must be a non-negative integer")
         self.num_inputs = num_inputs
+        self.batch_specs = tuple((tuple(shape), dtype) for shape, dtype in batch_specs) if batch_specs else None
         self.rank = rank
         self.world_size = world_size
         self.program = program
@@ -478,10 +482,17 @@ class Engine:
                                 f"{self.num_inputs} input(s) and its loss needs the target: call "
                                 f"{call[:-2]}(inputs, target) with the model's {self.num_inputs} input(s)")
         for position, tensor in enumerate((*inputs, target) if target is not None else inputs):
+            what = "the target" if position == len(inputs) else f"input {position}"
             if not isinstance(tensor, Tensor):
-                what = "the target" if position == len(inputs) else f"input {position}"
                 raise ArgumentError(f"rank {self.rank}: {call}: {what} must be a torch.Tensor, got "
                                     f"{type(tensor).__name__}")
+            if self.batch_specs is not None and position < len(self.batch_specs):
+                shape, dtype = self.batch_specs[position]
+                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise ArgumentError(
+                        f"rank {self.rank}: {call}: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
+                        f"was compiled for {shape} {dtype}; every step takes a batch shaped like the example batch: "
+                        "compile again with one like this")
         batch = (*inputs, target) if target is not None else tuple(inputs)
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
