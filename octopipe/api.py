@@ -331,7 +331,7 @@ def _runners_up(tuned: TuneResult, searched: SimResult, chosen: PipelinePlan, ch
 
 
 def _mirror_key(plan_: PipelinePlan, ms: float) -> tuple:
-    """What a plan and its copy on renamed devices share: stages, recomputation, time (to 1e-9)."""
+    """What a plan and its copy on renamed devices share: stages, recomputation, time (to 1e-6 ms)."""
     return plan_.boundaries, plan_.recompute, plan_.selective, round(ms, 6)
 
 
@@ -562,12 +562,14 @@ class Pipeline:
     data_parallel: int = 1
     """Replicas of the pipeline (compile's `data_parallel`): `world_size` is the plan's devices
     times it, and rank r runs pipeline rank r // data_parallel of replica r % data_parallel."""
-    num_inputs: int | None = None
-    """How many model inputs (the example batch's, less the target) every step takes."""
-    microbatch_size: int | None = None
-    """Samples per microbatch of the example batch (what `save` records with the plan)."""
     batch_specs: tuple | None = None
-    """(shape, dtype) of each tensor of the example batch, inputs then target: what every step takes."""
+    """(shape, dtype) of each tensor of the example batch, the model's inputs then the target: what
+    every step takes (each engine checks it)."""
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Samples per microbatch of the example batch (what `save` records with the plan)."""
+        return self.batch_specs[0][0][0] // self.num_microbatches if self.batch_specs else None
 
     @property
     def world_size(self) -> int:
@@ -605,7 +607,6 @@ class Pipeline:
             raise ArgumentError(f"pipe.engine: autocast={options['autocast']!r}, but the pipeline was compiled with "
                                 f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
                                 "compile again with the autocast to run")
-        options.setdefault("num_inputs", self.num_inputs)
         options.setdefault("batch_specs", self.batch_specs)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
@@ -829,7 +830,7 @@ def compile(
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
     if plan is not None and schedule is not None:
         raise ArgumentError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
-    if not callable(loss_fn) or _positional_arity(loss_fn) not in (None, 2):
+    if not callable(loss_fn) or not _takes_two_arguments(loss_fn):
         raise ArgumentError(f"compile: loss_fn must be a function loss_fn(output, target) -> scalar loss, got "
                             f"{loss_fn!r:.60}")
     if not _positive_finite(effort):
@@ -865,7 +866,7 @@ def compile(
         if plan is not None:
             chosen = timed("plan", lambda: load_plan(plan))
             if isinstance(plan, (str, Path)):
-                _warn_planned_elsewhere(plan, table, micro, num_microbatches)
+                _warn_planned_elsewhere(plan, table, int(micro[0].shape[0]) if micro else 0, num_microbatches)
         elif schedule is not None:
             chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
                                                            num_devices=num_devices, partition=partition))
@@ -908,11 +909,9 @@ def compile(
         programs = timed("lower", lambda: lower(chosen, links, tied_parameters(stages, chosen), prefetch=receive_ahead,
                                                 serialized_pairs=cluster.backend != "gloo"))
         timed("verify", lambda: verify(programs, chosen, links))
-        size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "dim") and micro[0].dim() else None
-        batch = (*inputs, example_target) if example_target is not None else inputs
-        specs = tuple((tuple(t.shape), t.dtype) for t in batch) if all(hasattr(t, "dtype") for t in batch) else None
+        specs = tuple((tuple(t.shape), t.dtype) for t in (*inputs, example_target))  # (a target is guessed if not given)
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
-                        seconds, loss_weight, runners_up, autocast, data_parallel, len(inputs), size, specs)
+                        seconds, loss_weight, runners_up, autocast, data_parallel, specs)
 
 
 @dataclass
@@ -1048,20 +1047,20 @@ def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: 
 _RUNNING_STATS = ("BatchNorm", "InstanceNorm", "SyncBatchNorm")
 
 
-def _positional_arity(function: Callable[..., Any]) -> int | None:
-    """How many positional arguments `function` takes (None: any number, or not knowable)."""
+def _takes_two_arguments(function: Callable[..., Any]) -> bool:
+    """Whether `function(output, target)` binds (True where its signature cannot be read)."""
     try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
-        return None
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    return 2 if len(required) <= 2 <= len(positional) else len(positional)
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return True
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        return False
+    return True
 
 
-def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[Any], num_microbatches: int) -> None:
+def _warn_planned_elsewhere(path: str | Path, table: CostTable, size: int, num_microbatches: int) -> None:
     """Warn where a saved plan file says it was planned on another model's costs or on
     microbatches of another size than compile's: it still runs (the layers match), but its
     predicted time and memory are for what it was planned on."""
@@ -1072,7 +1071,7 @@ def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[
     try:
         saved = load_saved_plan(path)
     except OctopipeError:
-        return  # the text form, read by load_plan already: nothing saved beside it
+        return  # a context that does not parse: compile reads the plan alone, as load_plan does
     planned = saved.costs.model if saved.costs is not None else ""
     if saved.plan.num_layers != len(table):
         return  # another layer count: compile refuses the plan next, no warning needed
@@ -1080,7 +1079,6 @@ def _warn_planned_elsewhere(path: str | Path, table: CostTable, micro: Sequence[
         warnings.warn(f"compile: {path} was planned on the costs of {planned}, this model is {table.model}: it runs "
                       f"(the layer counts match), but its predicted time and memory are {planned}'s; plan again for "
                       "this model (octopipe.plan, or octopipe plan --model)", OctopipeWarning, stacklevel=3)
-    size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "dim") and micro[0].dim() else None
     if saved.microbatch_size and size and size != saved.microbatch_size:
         warnings.warn(f"compile: {path} was planned for microbatches of {saved.microbatch_size} samples, this batch "
                       f"makes microbatches of {size}: its predicted time and memory are for the planned size; use a "

@@ -171,7 +171,6 @@ class Engine:
         autocast: torch.dtype | str | None = None,
         data_parallel: int = 1,
         loss_scaler: amp.LossScaler | None = None,
-        num_inputs: int | None = None,
         batch_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
@@ -186,11 +185,10 @@ class Engine:
         same autocast. `data_parallel` = D: `world_size` ranks are D replicas of the pipeline (see `Replicas`);
         `rank` is the process' own (global) rank and `program` that of its pipeline rank, rank // D.
         `loss_scaler`: fp16 autocast's dynamic loss scale (default `amp.LossScaler()`, GradScaler's
-        defaults); refused without fp16. `num_inputs`: how many model inputs the pipeline was
-        compiled for (`Pipeline.engine` gives it): then every rank refuses a `step` or `evaluate`
-        with another count or without a target, not only the ranks that read the batch.
-        `batch_specs`: the (shape, dtype) of each batch tensor, inputs then target, as compiled
-        (`Pipeline.engine` gives them): then every rank checks every tensor of a batch."""
+        defaults); refused without fp16. `batch_specs`: the (shape, dtype) of each tensor of the
+        example batch, the model's inputs then the target (`Pipeline.engine` gives them): then
+        every rank refuses a `step` or `evaluate` whose batch differs (another count of inputs, no
+        target, another shape or dtype), not only the ranks that read the tensor that differs."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -201,10 +199,6 @@ class Engine:
                                  f"engine is pipeline rank {self.replicas.stage_rank} of {self.replicas.pipeline_size}"
                                  + (f" (rank {rank} of {world_size} in {data_parallel} replicas)" if data_parallel > 1
                                     else ""))
-        if num_inputs is not None and (isinstance(num_inputs, bool) or not isinstance(num_inputs, int)
-                                       or num_inputs < 0):
-            raise ArgumentError(f"rank {rank}: Engine(num_inputs={num_inputs!r}) must be a non-negative integer")
-        self.num_inputs = num_inputs
         self.batch_specs = tuple((tuple(shape), dtype) for shape, dtype in batch_specs) if batch_specs else None
         self.rank = rank
         self.world_size = world_size
@@ -299,6 +293,27 @@ class Engine:
             self._fetch[index] = fetch
             for producer in stage.producers():
                 self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
+
+    def _check_example_batch(self, batch: tuple[Any, ...], num_inputs: int, call: str) -> None:
+        """Every tensor of the batch is a tensor and, with `batch_specs`, is shaped like the example
+        batch's, with a target: on every rank, so that none waits for a rank that refused it."""
+        specs = self.batch_specs
+        if specs is not None and (num_inputs != len(specs) - 1 or len(batch) == num_inputs):
+            raise ArgumentError(f"rank {self.rank}: {call} got {num_inputs} input tensor(s) and "
+                                f"{'a' if len(batch) > num_inputs else 'no'} target, but the pipeline was compiled for "
+                                f"{len(specs) - 1} input(s) and its loss needs the target: call "
+                                f"{call[:-2]}(inputs, target) with the model's {len(specs) - 1} input(s)")
+        for position, tensor in enumerate(batch):
+            what = "the target" if position == num_inputs else f"input {position}"
+            if not isinstance(tensor, Tensor):
+                raise ArgumentError(f"rank {self.rank}: {call}: {what} must be a torch.Tensor, got "
+                                    f"{type(tensor).__name__}")
+            if specs is not None and (tuple(tensor.shape), tensor.dtype) != specs[position]:
+                shape, dtype = specs[position]
+                raise ArgumentError(
+                    f"rank {self.rank}: {call}: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
+                    f"was compiled for {shape} {dtype}; every step takes a batch shaped like the example batch: "
+                    "compile again with one like this")
 
     def _check_batch(self, batch: tuple[Any, ...], num_inputs: int, count: int, call: str) -> None:
         """Every batch tensor this rank's stages read is there, with the shape and dtype the
@@ -475,29 +490,13 @@ class Engine:
         if not isinstance(inputs, (tuple, list)):
             raise ArgumentError(f"rank {self.rank}: {call}: inputs must be a tensor or a tuple of tensors (one batch), "
                                 f"got {type(inputs).__name__}")
-        if self.num_inputs is not None and (len(inputs) != self.num_inputs or target is None):
-            # checked on every rank, so that none waits for a rank that refused the batch
-            raise ArgumentError(f"rank {self.rank}: {call} got {len(inputs)} input tensor(s) and "
-                                f"{'a' if target is not None else 'no'} target, but the pipeline was compiled for "
-                                f"{self.num_inputs} input(s) and its loss needs the target: call "
-                                f"{call[:-2]}(inputs, target) with the model's {self.num_inputs} input(s)")
-        for position, tensor in enumerate((*inputs, target) if target is not None else inputs):
-            what = "the target" if position == len(inputs) else f"input {position}"
-            if not isinstance(tensor, Tensor):
-                raise ArgumentError(f"rank {self.rank}: {call}: {what} must be a torch.Tensor, got "
-                                    f"{type(tensor).__name__}")
-            if self.batch_specs is not None and position < len(self.batch_specs):
-                shape, dtype = self.batch_specs[position]
-                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    raise ArgumentError(
-                        f"rank {self.rank}: {call}: {what} is {tuple(tensor.shape)} {tensor.dtype}, but the pipeline "
-                        f"was compiled for {shape} {dtype}; every step takes a batch shaped like the example batch: "
-                        "compile again with one like this")
         batch = (*inputs, target) if target is not None else tuple(inputs)
+        self._check_example_batch(batch, len(inputs), call)
         count = self.num_microbatches
         self._micro: list[tuple[Tensor, ...]] = []
         if any(kind == "batch" for fetch in self._fetch.values() for kind, _, _ in fetch):
-            self._check_batch(batch, len(tuple(inputs)), count, call)
+            if self.batch_specs is None:  # (with them, every tensor was checked above)
+                self._check_batch(batch, len(inputs), count, call)
             chunks = [t.to(self.device, non_blocking=True).chunk(count) for t in batch]
             self._micro = [tuple(chunk[m] for chunk in chunks) for m in range(count)]
         self._slots: dict[tuple[int, int], _Slot] = {}
