@@ -31,6 +31,9 @@ class CostTableError(OctopipeError):
 class TraceError(OctopipeError):
     """A model could not be traced into a LayerGraph."""
 
+    causes: tuple[BaseException, ...]
+    """Where `trace` set it: the tracers' own exceptions, kept for debugging."""
+
 
 class PlanError(OctopipeError):
     """A pipeline plan cannot run (missing op, op on the wrong device, dependency cycle)."""

@@ -445,7 +445,7 @@ class CostTable:
                 selective_recompute_ms=reader.optional_float("selective_recompute_ms"),
                 forward_no_grad_ms=reader.optional_float("forward_no_grad_ms"),
             )
-            formulas = []
+            formulas: list[tuple[str, str]] = []
             for key, value in reader.rest().items():
                 if not key.startswith("f.") or value is None:
                     raise ParseError(f"{where}: unknown field {key!r}")
@@ -637,7 +637,8 @@ def _tied_from_dict(raw: Any, index: int, source: str, num_layers: int) -> TiedP
     where = f"{source}: tied {index}"
     if not isinstance(raw, dict) or set(raw) - {"name", "layers", "bytes"}:
         raise CostTableError(f"{where}: expected an object with keys name, layers, bytes, got {raw!r}")
-    name, layers, size = raw.get("name"), raw.get("layers"), raw.get("bytes")
+    name, layers = raw.get("name"), raw.get("layers")
+    size: Any = raw.get("bytes")  # a JSON value: _check_tied below says what is wrong with it
     if not isinstance(name, str) or not name:
         raise CostTableError(f"{where}: 'name' must be a non-empty string, got {name!r}")
     if not isinstance(layers, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
@@ -653,7 +654,8 @@ def _skip_from_dict(raw: Any, index: int, source: str, num_layers: int) -> SkipT
     where = f"{source}: skip {index}"
     if not isinstance(raw, dict) or set(raw) - {"name", "from", "to", "bytes"}:
         raise CostTableError(f"{where}: expected an object with keys name, from, to, bytes, got {raw!r}")
-    name, producer, consumers, size = raw.get("name"), raw.get("from"), raw.get("to"), raw.get("bytes")
+    name, producer, consumers = raw.get("name"), raw.get("from"), raw.get("to")
+    size: Any = raw.get("bytes")  # a JSON value: _check_skip below says what is wrong with it
     if not isinstance(name, str) or not name:
         raise CostTableError(f"{where}: 'name' must be a non-empty string, got {name!r}")
     if not isinstance(producer, int) or isinstance(producer, bool):

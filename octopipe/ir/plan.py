@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from octopipe.errors import ParseError, PlanError
 
@@ -139,10 +139,11 @@ class PipelinePlan:
         (start, end) pairs; `placement[s]` is stage s's device; `recompute[s]` whether stage s
         recomputes its activations, `selective[s]` whether it recomputes the cheap ones (empty:
         none does)."""
+        ranges: list[tuple[int, int]]
         if partition and isinstance(partition[0], tuple):
-            ranges = list(partition)  # type: ignore[arg-type]
+            ranges = list(cast("Sequence[tuple[int, int]]", partition))
         else:
-            bounds = list(partition)  # type: ignore[arg-type]
+            bounds = list(cast("Sequence[int]", partition))
             ranges = list(zip(bounds[:-1], bounds[1:]))
         if len(ranges) != len(placement):
             raise PlanError(f"{len(ranges)} stage layer ranges but {len(placement)} stage devices")
@@ -277,13 +278,13 @@ class PipelinePlan:
                 if op.kind is OpKind.W and B(op.stage, op.microbatch) not in seen:
                     raise PlanError(f"device {device} step {step}: {op} runs before its B\n" + render_grid(self.device_ops, mark=where))
                 seen[op] = where
-        for stage in range(self.num_stages):
+        for stage_index in range(self.num_stages):
             for microbatch in range(self.num_microbatches):
-                for op in (F(stage, microbatch), B(stage, microbatch)):
+                for op in (F(stage_index, microbatch), B(stage_index, microbatch)):
                     if op not in seen:
                         raise PlanError(
-                            f"op {op} is missing: stage {stage} microbatch {microbatch} needs one F and one B on device "
-                            f"{self.stages[stage].device}\n" + render_grid(self.device_ops)
+                            f"op {op} is missing: stage {stage_index} microbatch {microbatch} needs one F and one B on "
+                            f"device {self.stages[stage_index].device}\n" + render_grid(self.device_ops)
                         )
 
     # -- text form ----------------------------------------------------------------------------
@@ -316,7 +317,8 @@ class PipelinePlan:
                     raise ParseError(f"line {number}: expected 'stage S layers=A:B device=D' (and ' recompute' where the "
                                      f"stage recomputes its activations, ' selective' where it recomputes the cheap "
                                      f"ones), got {line!r}")
-                stages.append(Stage(*(int(g) for g in match.groups()[:4]), recompute=match.group(5) == " recompute",
+                index, layer_start, layer_end, stage_device = (int(g) for g in match.groups()[:4])
+                stages.append(Stage(index, layer_start, layer_end, stage_device, recompute=match.group(5) == " recompute",
                                     selective=match.group(5) == " selective"))
             elif line.startswith("device "):
                 match = re.fullmatch(rf"device {_COUNT}:(.*)", line)

@@ -7,11 +7,15 @@ floats use `repr` (exact round trip) and an absent value is `-`.
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from octopipe.errors import ParseError
+
+_T = TypeVar("_T")
 
 _BARE = re.compile(r"^[A-Za-z0-9_.:+\-*/,\[\]|<>@#]+$")
 ABSENT = "-"
@@ -84,21 +88,23 @@ class FieldReader:
     """Typed access to the fields of one text record, with errors that name the line. A field
     that is missing or absent (`-`) reads as the default (or fails when required)."""
 
-    _MISSING = object()
-
     def __init__(self, fields: dict[str, str | None], where: str) -> None:
         self.fields = dict(fields)
         self.where = where
 
     def _take(self, key: str, required: bool) -> str | None:
-        value = self.fields.pop(key, self._MISSING)
-        if value is self._MISSING or value is None:
-            if required:
-                raise ParseError(f"{self.where}: missing field {key!r}")
-            return None
-        return value  # type: ignore[return-value]
+        value = self.fields.pop(key, None)  # missing and absent (`-`) read the same
+        if value is None and required:
+            raise ParseError(f"{self.where}: missing field {key!r}")
+        return value
 
-    def _convert(self, key: str, raw: str, kind: type, what: str):
+    def _default(self, key: str, default: _T | None) -> _T:
+        """The default of an optional field that is missing (a required one made `_take` raise)."""
+        if default is None:
+            raise ParseError(f"{self.where}: missing field {key!r}")
+        return default
+
+    def _convert(self, key: str, raw: str, kind: Callable[[str], _T], what: str) -> _T:
         try:
             if not raw.isascii() or "_" in raw:  # Python's int/float also read 1_0 and non-ASCII digits
                 raise ValueError(raw)
@@ -112,23 +118,23 @@ class FieldReader:
             return default if default is not None else ""
         return raw
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def int(self, key: builtins.str, default: builtins.int | None = None) -> builtins.int:
         raw = self._take(key, default is None)
-        return default if raw is None else self._convert(key, raw, int, "an integer")  # type: ignore[return-value]
+        return self._default(key, default) if raw is None else self._convert(key, raw, int, "an integer")
 
-    def optional_int(self, key: str) -> int | None:
+    def optional_int(self, key: builtins.str) -> builtins.int | None:
         raw = self._take(key, False)
         return None if raw is None else self._convert(key, raw, int, "an integer")
 
-    def float(self, key: str, default: float | None = None) -> float:
+    def float(self, key: builtins.str, default: builtins.float | None = None) -> builtins.float:
         raw = self._take(key, default is None)
-        return default if raw is None else self._convert(key, raw, float, "a number")  # type: ignore[return-value]
+        return self._default(key, default) if raw is None else self._convert(key, raw, float, "a number")
 
-    def optional_float(self, key: str) -> float | None:
+    def optional_float(self, key: builtins.str) -> builtins.float | None:
         raw = self._take(key, False)
         return None if raw is None else self._convert(key, raw, float, "a number")
 
-    def ints(self, key: str) -> tuple[int, ...]:
+    def ints(self, key: builtins.str) -> tuple[builtins.int, ...]:
         raw = self._take(key, False)
         if not raw:
             return ()
@@ -137,7 +143,7 @@ class FieldReader:
         except ValueError:
             raise ParseError(f"{self.where}: field {key!r} must be comma-separated integers, got {raw!r}") from None
 
-    def strs(self, key: str) -> tuple[str, ...]:
+    def strs(self, key: builtins.str) -> tuple[builtins.str, ...]:
         raw = self._take(key, False)
         if raw is None or raw == "":
             return ()
@@ -148,7 +154,7 @@ class FieldReader:
                 raise ParseError(f"{self.where}: field {key!r} is not a valid JSON list: {raw!r}") from None
         return tuple(raw.split(","))
 
-    def rest(self) -> dict[str, str | None]:
+    def rest(self) -> dict[builtins.str, builtins.str | None]:
         """Fields not read yet (for records with open-ended extras)."""
         rest, self.fields = self.fields, {}
         return rest

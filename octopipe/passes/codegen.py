@@ -223,9 +223,9 @@ def codegen(
 
     # -- node -> stage ------------------------------------------------------------------------------
     stage_of_layer: dict[int, int] = {}
-    for stage in plan.stages:
-        for layer in range(stage.layer_start, stage.layer_end):
-            stage_of_layer[layer] = stage.index
+    for plan_stage in plan.stages:
+        for layer in range(plan_stage.layer_start, plan_stage.layer_end):
+            stage_of_layer[layer] = plan_stage.index
     stage_of: dict[fx.Node, int] = {}
     for node in reversed(nodes):
         if node.op in ("placeholder", "get_attr", "output"):
@@ -320,9 +320,10 @@ def codegen(
         else:
             new_graph.output(tuple(env[n] for n in outputs_of[stage]))
             outputs = output_specs[stage]
-        stage_module: nn.Module = fx.GraphModule(module, new_graph, class_name=f"Stage{stage}")
+        graph_module = fx.GraphModule(module, new_graph, class_name=f"Stage{stage}")
+        stage_module: nn.Module = graph_module
         if stage in split_stages:
-            stage_module, _ = split_backward_pass(stage_module, compile_safe=compile)  # type: ignore[arg-type]
+            stage_module, _ = split_backward_pass(graph_module, compile_safe=compile)
         names = {}
         for local, tensor in [*stage_module.named_parameters(remove_duplicate=False),
                               *stage_module.named_buffers(remove_duplicate=False)]:

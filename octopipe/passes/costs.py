@@ -248,7 +248,7 @@ def _atom_symbol(atom: str) -> sympy.Expr:
 def _min_s(extent: Poly, window: int) -> Poly | None:
     """min(extent, window) when extent is a constant or exactly `s`."""
     if extent.is_const:
-        return Poly.const(min(extent.const_value, window))
+        return Poly.const(min(extent.const_value, Fraction(window)))
     if extent.terms == {(("s", 1),): Fraction(1)}:
         return Poly.atom(f"min:{window}")
     return None
@@ -777,7 +777,7 @@ class _Pricer:
             return self._sdpa(node, inputs, out)
         if name in _EMBEDDING:
             indices = [n for n in inputs if not self.is_param(n)]
-            weight = self._module_param(node) or [n for n in inputs if self.is_param(n)]
+            weight: list[nn.Parameter] | list[fx.Node] = self._module_param(node) or [n for n in inputs if self.is_param(n)]
             work.forward_bytes = 2 * out + sum((self.nbytes(n) for n in indices), Poly())
             if weight:
                 table = self._param_bytes(node, inputs)
@@ -1057,7 +1057,7 @@ def _ssd_spec(module: nn.Module) -> dict[str, int] | None:
     state = getattr(module, "d_state", None) or getattr(module, "ssm_state_size", None)
     heads = getattr(module, "num_heads", None)
     head_dim = getattr(module, "head_dim", None)
-    if not all(isinstance(x, int) for x in (state, heads, head_dim)):
+    if not (isinstance(state, int) and isinstance(heads, int) and isinstance(head_dim, int)):
         return None
     groups = getattr(module, "n_groups", None) or getattr(module, "ngroups", None) or 1
     chunk = getattr(module, "chunk_size", None) or SSD_CHUNK

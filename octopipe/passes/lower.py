@@ -210,10 +210,10 @@ def lower(
             continue
         for m in range(plan.num_microbatches):
             forward, backward = Op(p, OpKind.F, m), Op(c, OpKind.B, m)
-            send_key = (finish[forward], device_of[p], position[forward][1], consumers[p].index(c))
-            messages.append((send_key, ("act", p, c, m), device_of[p], device_of[c]))
-            send_key = (finish[backward], device_of[c], position[backward][1], producers[c].index(p))
-            messages.append((send_key, ("grad", p, c, m), device_of[c], device_of[p]))
+            s_key = (finish[forward], device_of[p], position[forward][1], consumers[p].index(c))
+            messages.append((s_key, ("act", p, c, m), device_of[p], device_of[c]))
+            s_key = (finish[backward], device_of[c], position[backward][1], producers[c].index(p))
+            messages.append((s_key, ("grad", p, c, m), device_of[c], device_of[p]))
     messages.sort()
 
     # Sort keys of instructions within a rank: (compute index, phase, sub, S index), phases:
@@ -248,14 +248,14 @@ def lower(
     deadlines: dict[int, tuple[int, int, int]] = {}
     inbox: dict[tuple[int, int], list[int]] = {}
     for index in range(len(messages) - 1, -1, -1):  # backwards: "next send of the receiver after x"
-        _, (kind, p, c, m), src, dst = messages[index]
+        _, (message_kind, p, c, m), src, dst = messages[index]
         # receiver dst's next send to src that follows x in S
-        deadline = need_key(kind, p, c, m)
+        deadline = need_key(message_kind, p, c, m)
         if serialized_pairs:
             deadline = min(deadline, pending_next_send.get((dst, src), INF))
         deadlines[index] = deadline
         inbox.setdefault((dst, src), []).append(index)
-        k, phase, sub = send_key(kind, p, c, m)
+        k, phase, sub = send_key(message_kind, p, c, m)
         pending_next_send[(src, dst)] = (k, phase, sub - 1)  # the slot just before that send
     for indices in inbox.values():
         running = INF
@@ -267,10 +267,10 @@ def lower(
     # peer that precedes it in S (the pair order) and never past its deadline.
     if prefetch > 0:
         after_last_send: dict[tuple[int, int], tuple[int, int, int]] = {}
-        for index, (_, (kind, p, c, m), src, dst) in enumerate(messages):
-            k, phase, sub = send_key(kind, p, c, m)
+        for index, (_, (message_kind, p, c, m), src, dst) in enumerate(messages):
+            k, phase, sub = send_key(message_kind, p, c, m)
             after_last_send[(src, dst)] = (k, phase, sub + 1)
-            need = need_key(kind, p, c, m)
+            need = need_key(message_kind, p, c, m)
             early = (max(need[0] - prefetch, -1), 0, 0)
             if serialized_pairs:
                 early = max(after_last_send.get((dst, src), (-1, 0, 0)), early)
@@ -281,14 +281,14 @@ def lower(
                 running = min(running, deadlines[index])
                 deadlines[index] = running
 
-    for index, (_, (kind, p, c, m), src, dst) in enumerate(messages):
-        if kind == "act":
-            keyed[src].append(((*send_key(kind, p, c, m), 0),
+    for index, (_, (message_kind, p, c, m), src, dst) in enumerate(messages):
+        if message_kind == "act":
+            keyed[src].append(((*send_key(message_kind, p, c, m), 0),
                                Instruction(InstrKind.SEND_ACT, stage=p, microbatch=m, peer=dst, peer_stage=c)))
             keyed[dst].append(((*deadlines[index], index),
                                Instruction(InstrKind.RECV_ACT, stage=c, microbatch=m, peer=src, peer_stage=p)))
         else:
-            keyed[src].append(((*send_key(kind, p, c, m), 0),
+            keyed[src].append(((*send_key(message_kind, p, c, m), 0),
                                Instruction(InstrKind.SEND_GRAD, stage=c, microbatch=m, peer=dst, peer_stage=p)))
             keyed[dst].append(((*deadlines[index], index),
                                Instruction(InstrKind.RECV_GRAD, stage=p, microbatch=m, peer=src, peer_stage=c)))

@@ -267,7 +267,7 @@ def _measure(
     autocast_forward: Callable[[], Any], accumulating: float = 0.0,
 ) -> LayerCost:
     """`accumulating`: the share of a step's microbatches that add their gradients into `.grad`."""
-    params = [p for p in sub.module.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in sub.module.parameters() if p.requires_grad]
     param_ids = {p.data_ptr() for p in sub.module.parameters()}
     param_bytes = sum(p.numel() * p.element_size() for p in sub.module.parameters())
 
@@ -291,7 +291,7 @@ def _measure(
 
     try:
         forward_ms = timer(forward)
-        saved: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        saved: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.data_ptr() not in param_ids:

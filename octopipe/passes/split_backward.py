@@ -53,7 +53,7 @@ class SplitLinear(torch.autograd.Function):
     """y = x @ weight.T + bias whose weight/bias gradients can be deferred to W."""
 
     @staticmethod
-    def forward(ctx: Any, inputs: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, inputs: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.weight, ctx.bias = weight, bias  # the parameters W accumulates into
         device = inputs.device.type
         if torch.is_autocast_enabled(device):  # as autocast runs a linear: operands cast, the matmul in its dtype
@@ -67,7 +67,7 @@ class SplitLinear(torch.autograd.Function):
         return F.linear(inputs, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         # under autocast: the saved operands and grad_output are in its dtype, and so are the
         # gradients; autograd casts the returned ones to the inputs' dtypes, W's accumulate casts
         inputs, weight = ctx.saved_tensors
@@ -128,13 +128,13 @@ def _transposed_parameter(module: nn.Module, node: Any) -> fx.Node | None:
     """The get_attr of W when node is `t(W)` (aten.t, torch.t, W.t()) or W.T, else None."""
     if not isinstance(node, fx.Node):
         return None
-    if node.op == "call_function" and node.target in _TRANSPOSES and _parameter_node(module, node.args[0]):
-        return node.args[0]  # type: ignore[return-value]
-    if node.op == "call_method" and node.target == "t" and _parameter_node(module, node.args[0]):
-        return node.args[0]  # type: ignore[return-value]
-    if node.op == "call_function" and node.target is getattr and node.args[1] == "T" and _parameter_node(module, node.args[0]):
-        return node.args[0]  # type: ignore[return-value]
-    return None
+    transposes = (
+        (node.op == "call_function" and node.target in _TRANSPOSES)
+        or (node.op == "call_method" and node.target == "t")
+        or (node.op == "call_function" and node.target is getattr and node.args[1] == "T")
+    )
+    weight = node.args[0] if transposes else None
+    return weight if isinstance(weight, fx.Node) and _parameter_node(module, weight) else None
 
 
 def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[fx.GraphModule, tuple[str, ...]]:
@@ -164,14 +164,14 @@ def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[
             if _parameter_node(module, weight) and (bias is None or _parameter_node(module, bias)):
                 replacement = (inputs, weight, bias)
         elif node.op == "call_function" and node.target in _MM_TARGETS and len(node.args) == 2 and not node.kwargs:
-            weight = _transposed_parameter(module, node.args[1])
-            if weight is not None:
-                replacement = (node.args[0], weight, None)
+            transposed = _transposed_parameter(module, node.args[1])
+            if transposed is not None:
+                replacement = (node.args[0], transposed, None)
         elif node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3 and not node.kwargs:
-            weight = _transposed_parameter(module, node.args[2])
+            transposed = _transposed_parameter(module, node.args[2])
             bias = node.args[0]
-            if weight is not None and _parameter_node(module, bias) and _attr(module, str(bias.target)).dim() == 1:
-                replacement = (node.args[1], weight, bias)
+            if transposed is not None and _parameter_node(module, bias) and _attr(module, str(bias.target)).dim() == 1:
+                replacement = (node.args[1], transposed, bias)
         if replacement is None:
             continue
         with graph.inserting_before(node):

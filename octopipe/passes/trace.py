@@ -113,7 +113,8 @@ def _trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tens
                          f"[{split_points!r}]")
     split_points = tuple(split_points)
     _check_split_points(root, split_points)
-    args = inputs + ((example_target,) if loss_fn is not None else ())
+    # _check_inputs: a target comes exactly with a loss_fn
+    args = inputs + ((example_target,) if example_target is not None else ())
 
     gm: fx.GraphModule | None = None
     used = method
@@ -202,6 +203,7 @@ class _TraceRoot(nn.Module):
 
     input_names: tuple[str, ...]
     loss_name: str | None
+    _octopipe_reduced: list[str]
 
     @classmethod
     def build(cls, model: nn.Module, num_inputs: int, loss_fn: Callable[..., Any] | None) -> _TraceRoot:
@@ -218,7 +220,7 @@ class _TraceRoot(nn.Module):
         lines.append(f"    return self.{loss_name}(output, {target_name})" if loss_name else "    return output")
         namespace: dict[str, Any] = {"_primary_output": _primary_output}
         exec(compile("\n".join(lines), f"<octopipe trace root of {type(model).__name__}>", "exec"), namespace)  # noqa: S102
-        subclass = type(f"{type(model).__name__}TraceRoot", (cls,), {"forward": namespace["forward"]})
+        subclass: type[_TraceRoot] = type(f"{type(model).__name__}TraceRoot", (cls,), {"forward": namespace["forward"]})
         root = subclass.__new__(subclass)
         nn.Module.__init__(root)
         root._modules = dict(model._modules)
@@ -363,7 +365,7 @@ def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[ty
 def _restore_buffers(buffers: list[tuple[str, nn.Module, str, torch.Tensor | None]]) -> list[tuple[str, fx.Proxy]]:
     """Put back buffers that tracing reassigned (to a Proxy), returning (qualified name, the
     value assigned) for each."""
-    reassigned = []
+    reassigned: list[tuple[str, fx.Proxy]] = []
     for path, module, name, buffer in buffers:
         value = module._buffers.get(name)
         if value is not buffer:
@@ -455,7 +457,7 @@ def _trace_error(model: nn.Module, failures: list[_Failure], method: str, root: 
     if root.loss_name and root._octopipe_reduced and any(f.module == root.loss_name for f in failures):
         message += f"\nnote: {_loss_reads(root)}"
     error = TraceError(message)
-    error.causes = tuple(failure.exception for failure in failures)  # type: ignore[attr-defined]
+    error.causes = tuple(failure.exception for failure in failures)
     return error
 
 
@@ -712,8 +714,8 @@ def _build_graph(
     try:
         values = propagate_shapes(gm, args)
     except _NodeFailure as failure:
-        layer = layer_of.get(failure.node)
-        layer_name = "+".join(layer_units[layer]) if layer is not None else "inputs"
+        failed_layer = layer_of.get(failure.node)
+        layer_name = "+".join(layer_units[failed_layer]) if failed_layer is not None else "inputs"
         hint = "If this module branches on tensor values, mark it a leaf module and trace on real (not meta) tensors"
         if layer_name == loss_name and root._octopipe_reduced:
             hint = _loss_reads(root)
@@ -996,10 +998,10 @@ def _assemble(
                 read.append(value)
         elif node.op == "call_module":
             read.extend(gm.get_submodule(str(node.target)).parameters())
-        for parameter in read:
-            name = canonical.get(id(parameter))
-            if name is not None:
-                layer_params[layer][name] = parameter.numel()
+        for tensor in read:
+            qualified = canonical.get(id(tensor))
+            if qualified is not None:
+                layer_params[layer][qualified] = tensor.numel()
 
     edges: list[TensorEdge] = []
     for node in gm.graph.nodes:
@@ -1036,9 +1038,9 @@ def _assemble(
         )
     layers = _mark_head(layers, module_paths)
     readers: dict[str, list[int]] = defaultdict(list)
-    for layer in layers:
-        for name in layer.parameters:
-            readers[name].append(layer.index)
+    for graph_layer in layers:
+        for name in graph_layer.parameters:
+            readers[name].append(graph_layer.index)
     shared = tuple(SharedParameter(name, tuple(idx)) for name, idx in readers.items() if len(idx) > 1)
     return LayerGraph(
         model=type(model).__name__,

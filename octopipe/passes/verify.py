@@ -24,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 from octopipe.errors import VerificationError
 from octopipe.ir.plan import OpKind, PipelinePlan, render_grid
@@ -82,7 +83,7 @@ class _Checker:
         self.programs = programs
         self.grid = [[label(i) for i in p.instructions] for p in programs]
 
-    def fail(self, rank: int | None, step: int | None, rule: str, detail: str) -> None:
+    def fail(self, rank: int | None, step: int | None, rule: str, detail: str) -> NoReturn:
         where = ""
         if rank is not None and step is not None:
             where = f"rank {rank} step {step} ({self.programs[rank].instructions[step]}): "
@@ -221,28 +222,30 @@ def verify(
             posted: set[tuple[InstrKind, int, int, int]] = set()
             for step, i in enumerate(program.instructions):
                 if i.kind in (InstrKind.RECV_ACT, InstrKind.RECV_GRAD):
-                    posted.add((i.kind, i.stage, i.peer_stage, i.microbatch))  # type: ignore[arg-type]
+                    assert i.stage is not None and i.peer_stage is not None and i.microbatch is not None  # rule 1
+                    posted.add((i.kind, i.stage, i.peer_stage, i.microbatch))
                 if i.kind not in (InstrKind.FORWARD, *_BACKWARDS):
                     continue
                 s, m = i.stage, i.microbatch
                 assert s is not None and m is not None
                 forward = i.kind is InstrKind.FORWARD
                 for other in (producers if forward else consumers).get(s, ()):
-                    owner = stage_rank.get(other)
-                    if owner is None:
+                    other_rank = stage_rank.get(other)
+                    if other_rank is None:
                         check.fail(rank, step, "inputs ready", f"stage {other} (linked to stage {s}) runs on no rank")
-                    if owner == rank:
+                    if other_rank == rank:
                         before = compute_step(rank, InstrKind.FORWARD if forward else "B", other, m)
                         if before is None or before > step:
                             check.fail(rank, step, "inputs ready",
                                        f"reads the {'output' if forward else 'input gradient'} of local stage {other} "
                                        f"microbatch {m}, which is computed later (or never) on rank {rank}")
                     else:
-                        want = (InstrKind.RECV_ACT if forward else InstrKind.RECV_GRAD, s, other, m)
-                        if want not in posted:
+                        wanted_recv = (InstrKind.RECV_ACT if forward else InstrKind.RECV_GRAD, s, other, m)
+                        if wanted_recv not in posted:
                             check.fail(rank, step, "inputs ready",
                                        f"reads {'activations' if forward else 'gradients'} from stage {other} on rank "
-                                       f"{owner}, but no {want[0]} for stage {s} microbatch {m} was posted before")
+                                       f"{other_rank}, but no {wanted_recv[0]} for stage {s} microbatch {m} was posted "
+                                       "before")
 
     # -- 3. matching per directed pair --------------------------------------------------------------
     sends: dict[tuple[int, int], list[tuple[int, Message]]] = {}
@@ -250,9 +253,11 @@ def verify(
     for rank, program in enumerate(programs):
         for step, i in enumerate(program.instructions):
             if i.is_send:
-                sends.setdefault((rank, i.peer), []).append((step, message_of(i)))  # type: ignore[arg-type]
+                assert i.peer is not None  # rule 1
+                sends.setdefault((rank, i.peer), []).append((step, message_of(i)))
             elif i.is_recv:
-                recvs.setdefault((i.peer, rank), []).append((step, message_of(i)))  # type: ignore[arg-type]
+                assert i.peer is not None  # rule 1
+                recvs.setdefault((i.peer, rank), []).append((step, message_of(i)))
     for pair in sorted(set(sends) | set(recvs)):
         src, dst = pair
         out, into = sends.get(pair, []), recvs.get(pair, [])
@@ -314,19 +319,21 @@ def _simulate(check: _Checker, programs: Sequence[RankProgram]) -> None:
     # ordinal of each receive on its pair, and the receives each compute reads
     ordinal: dict[tuple[int, int], tuple[tuple[int, int], int]] = {}
     posted_count: dict[tuple[int, int], int] = {}
-    needs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    needs: dict[tuple[int, int], list[int]] = {}  # (rank, compute step) -> steps of the receives it reads
     for rank, program in enumerate(programs):
         open_recvs: dict[tuple[InstrKind, int, int], list[int]] = {}
         for step, i in enumerate(program.instructions):
             if i.is_recv:
+                assert i.peer is not None and i.stage is not None and i.microbatch is not None  # rule 1
                 pair = (i.peer, rank)
-                ordinal[(rank, step)] = (pair, posted_count.get(pair, 0))  # type: ignore[assignment]
-                posted_count[pair] = posted_count.get(pair, 0) + 1  # type: ignore[index]
+                ordinal[(rank, step)] = (pair, posted_count.get(pair, 0))
+                posted_count[pair] = posted_count.get(pair, 0) + 1
                 reader = InstrKind.FORWARD if i.kind is InstrKind.RECV_ACT else InstrKind.BACKWARD
-                open_recvs.setdefault((reader, i.stage, i.microbatch), []).append(step)  # type: ignore[arg-type]
+                open_recvs.setdefault((reader, i.stage, i.microbatch), []).append(step)
             elif i.kind in (InstrKind.FORWARD, *_BACKWARDS):
+                assert i.stage is not None and i.microbatch is not None  # rule 1
                 reader = InstrKind.FORWARD if i.kind is InstrKind.FORWARD else InstrKind.BACKWARD
-                needs[(rank, step)] = open_recvs.pop((reader, i.stage, i.microbatch), [])  # type: ignore[arg-type]
+                needs[(rank, step)] = open_recvs.pop((reader, i.stage, i.microbatch), [])
 
     pc = [0] * num_ranks
     sent: dict[tuple[int, int], int] = {}
@@ -342,8 +349,9 @@ def _simulate(check: _Checker, programs: Sequence[RankProgram]) -> None:
                 step = pc[rank]
                 i = body[step]
                 if i.is_send:
+                    assert i.peer is not None  # rule 1
                     pair = (rank, i.peer)
-                    sent[pair] = sent.get(pair, 0) + 1  # type: ignore[index]
+                    sent[pair] = sent.get(pair, 0) + 1
                 elif i.kind in (InstrKind.FORWARD, *_BACKWARDS):
                     if any(sent.get(ordinal[(rank, r)][0], 0) <= ordinal[(rank, r)][1] for r in needs[(rank, step)]):
                         break
