@@ -1539,23 +1539,28 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
     `activation_budget` (bytes per device; None: no limit). Transfers, reductions and the
     simulator's queues only add to it. Per device, the largest of:
 
-    - its release + microbatches x its load (its first F waits for the forwards before it);
+    - the release: a stage's forwards, and so everything after them, wait for the forward to
+      reach that stage: for each of the device's stages s, when the forward reaches s + the
+      device's work other than the forwards of its stages before s + the cool-down idle below;
     - the warm-up: its first B cannot start before one microbatch's forward through every stage
-      and the input gradients of the stages after its last one. Until then it runs only
-      F, and each F it starts holds its stage's activations until that stage's B, so the F work
-      done before then is at most what fits the budget (a fractional knapsack of its stages'
-      forwards, each at most microbatches times, weighed by the bytes they hold). The rest of its
-      load comes after;
-    - the cool-down: after its last F starts, the chain of that microbatch (the forwards from its
-      last stage on and every stage's input gradient) still runs, while the device's own work
-      left is its B and W of microbatches it still holds (a knapsack of the budget again: a
-      microbatch waiting for B holds its stage's bytes, one waiting only for W `keep` of its
-      activations) plus that F. What the chain outlasts that work by is idle. Added to the
-      release term always, and to the warm-up term where the budget cannot hold every
-      microbatch's forwards (then the last F comes after that first B).
+      and the input gradients of the stages after its last one. Until then it runs only F, and
+      each F it starts holds its stage's activations until that stage's B, so the F work done
+      before then is at most what fits the budget (a fractional knapsack of its stages'
+      forwards, each at most microbatches times and at most the time from when the forward
+      reaches the stage to that first B). The rest of its load comes after, and so does the
+      cool-down idle after its last B (and the one after its last F where the budget cannot
+      hold every microbatch's forwards: then the last F comes after that first B);
+    - the cool-downs, two idle times. After its last F starts (of a microbatch j, on its last
+      stage), j's chain (the forwards from that stage on and every stage's input gradient) still
+      runs, while the device's own work left is j's own and the B and W of the other microbatches
+      it still holds (a knapsack of the budget less what j holds). After its last B on its last
+      stage ends, every F is done and that microbatch's input gradients still run through the
+      stages before it, while the device can run only W and its earlier stages' B and W, again
+      of microbatches that hold their bytes. What a chain outlasts that work by is idle.
 
     Each stage's B is the cheaper of its input gradient and full backward, W what the cheaper of
-    split and fused adds to it, so the bound holds whichever the order splits."""
+    split and fused adds to it, and a microbatch's work left the dearer, so the bound holds
+    whichever the order splits."""
     m = num_microbatches
     forward = sc.forward
     stages = range(len(forward))
@@ -1564,34 +1569,49 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
     most = [max(sc.backward_input[s] + sc.weight[s], sc.backward_full[s]) for s in stages]
     all_forward, all_backward = sum(forward), sum(backward)
     held = sc.held or sc.activation
+    reach = [sum(forward[:s]) for s in stages]
     bound = 0.0
     for device in sorted(set(placement)):
         own = [s for s in stages if placement[s] == device]
-        first, last = own[0], own[-1]
+        last, earlier = own[-1], own[:-1]
         load = m * sum(forward[s] + work[s] for s in own)
-        release = sum(forward[:first])
         first_b = all_forward + sum(backward[last + 1:])
         room = math.inf if activation_budget is None else activation_budget[device] * (1 + 1e-9) + 1e-6
-        early = _fractional_fill([(forward[s], held[s]) for s in own], m, room)
-        left = _fractional_fill([(most[s], held[s]) for s in own]
-                                + [(sc.weight[s], sc.activation[s] * keep) for s in own], m, room)
-        tail = max(0.0, sum(forward[last:]) + all_backward - left - max(forward[s] for s in own))
+        early = _fractional_fill([(forward[s], held[s]) for s in own], m, room,
+                                 caps=[max(0.0, first_b - reach[s]) for s in own])
+        pending = [(most[s], held[s]) for s in own] + [(sc.weight[s], sc.activation[s] * keep) for s in own]
+        chain = sum(forward[last:]) + all_backward
+        tail = max(0.0,
+                   chain - _fractional_fill(pending, m, room) - max(forward[s] for s in own),
+                   chain - forward[last] - sum(most[s] for s in own)
+                   - _fractional_fill(pending, m - 1, room - sum(held[s] for s in own)))
+        drain = _fractional_fill([(sc.weight[last], sc.activation[last] * keep)] + [(most[s], held[s]) for s in earlier]
+                                 + [(sc.weight[s], sc.activation[s] * keep) for s in earlier],
+                                 m - 1, room - sum(held[s] for s in earlier))
+        tail_b = max(0.0, sum(backward[:last]) - sc.weight[last] - sum(most[s] for s in earlier) - drain)
+        for s in own:
+            before = m * sum(forward[t] for t in own if t < s)
+            bound = max(bound, reach[s] + load - before + max(tail, tail_b))
         crowded = m * sum(held[s] for s in own) > room
-        bound = max(bound, release + load + tail, first_b + load - early + (tail if crowded else 0.0))
+        bound = max(bound, first_b + load - early + max(tail if crowded else 0.0, tail_b))
     return bound
 
 
-def _fractional_fill(items: Sequence[tuple[float, float]], copies: int, room: float) -> float:
-    """The most value that (value, bytes) items, each at most `copies` times and in fractions,
-    fit in `room` bytes (items of no bytes fit whole)."""
+def _fractional_fill(items: Sequence[tuple[float, float]], copies: int, room: float,
+                     caps: Sequence[float] | None = None) -> float:
+    """The most value that (value, bytes) items, each at most `copies` times (and at most its
+    `caps` entry in value) and in fractions, fit in `room` bytes (items of no bytes fit whole)."""
     total = 0.0
-    for value, size in sorted(items, key=lambda item: -item[0] / item[1] if item[1] > 0 else -math.inf):
+    caps = caps if caps is not None else [math.inf] * len(items)
+    for (value, size), cap in sorted(zip(items, caps), key=lambda item: -item[0][0] / item[0][1] if item[0][1] > 0
+                                     else -math.inf):
+        most = min(copies * value, cap)
         if size <= 0:
-            total += copies * value
+            total += most
             continue
-        if room <= 0:
-            break
-        take = min(float(copies), room / size)
+        if room <= 0 or value <= 0:
+            continue
+        take = min(most / value, room / size)
         total += take * value
         room -= take * size
     return total
