@@ -26,7 +26,10 @@ ops), and `idle ms`, the predicted against the measured idle time per rank (the 
 simulator's schedule and transfers). `jittered`: the error had each op's time been its price
 times a ratio drawn from the rotation's own op-to-op spread (`RuntimeProfile.spread`, median
 of JITTER_SAMPLES simulations, `simulator.jittered_iterations`): what that jitter alone adds to
-a schedule's waits.
+a schedule's waits. `replay`: the error had the simulator run each measured step with every op
+at its measured time in that step (`bench.replayed_ms`; median over the steps of measured /
+replayed): what is left once the ops' times are right is the simulator's own model of the
+schedule, the transfers and the waits.
 
     python benchmarks/fidelity.py [--models ...] [--steps 6]
 """
@@ -46,7 +49,13 @@ from cpu_models import CONFIGS, NUM_MICROBATCHES, build  # noqa: E402
 
 import octopipe  # noqa: E402
 from octopipe import models  # noqa: E402
-from octopipe.bench import PROFILE_TRIM, calibrate_cpu_cluster, measure_with_profiles, runtime_probe  # noqa: E402
+from octopipe.bench import (  # noqa: E402
+    PROFILE_TRIM,
+    calibrate_cpu_cluster,
+    measure_with_profiles,
+    replayed_ms,
+    runtime_probe,
+)
 from octopipe.simulator import jittered_iterations  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
@@ -69,12 +78,13 @@ def main() -> None:
     print(f"2 CPU processes (gloo, 1 thread each); link {calibrated.latency_s * 1e6:.0f} us, "
           f"{calibrated.intra_node_bandwidth / 1e9:.2f} GB/s measured; {num_microbatches} microbatches")
     print(f"{'model':<11} {'plan':<26} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'relative':>9} "
-          f"{'earlier ms':>10} {'error':>8} {'ops':>7} {'idle ms':>13} {'jittered':>8}")
+          f"{'earlier ms':>10} {'error':>8} {'ops':>7} {'idle ms':>13} {'jittered':>8} {'replay':>7}")
     errors = []
     relative_errors = []
     earlier_errors = []
     plain_errors = []
     jitter_errors = []
+    replay_errors = []
     op_errors = []
     floors = []
     for name in args.models.split(","):
@@ -118,6 +128,10 @@ def main() -> None:
             jittered = statistics.median(jittered_iterations(sim.plan, now.costs, sim.cluster, now.spread,
                                                              samples=JITTER_SAMPLES))
             jitter_errors.append(abs(timing.median_ms / jittered - 1))
+            # each step re-simulated with its own ops' measured times
+            replay = statistics.median(step / replayed_ms(sim.plan, now.costs, sim.cluster, ops)
+                                       for step, ops in zip(timing.step_ms, timing.op_ms)) - 1
+            replay_errors.append(abs(replay))
             errors.append(abs(error))
             relative = (timing.median_ms / reference_measured) / (predicted / reference_predicted) - 1
             if pipe is not pipes[0]:
@@ -126,7 +140,7 @@ def main() -> None:
             earlier_errors.append(abs(timing.median_ms / earlier - 1))
             print(f"{name:<11} {label:<26} {predicted:>12.1f} {timing.median_ms:>12.1f} {error:>+8.1%} {relative:>+9.1%} "
                   f"{earlier:>10.1f} {timing.median_ms / earlier - 1:>+8.1%} {ops:>+7.1%} "
-                  f"{idle_predicted:>6.1f}>{idle_measured:<6.1f} {timing.median_ms / jittered - 1:>+8.1%}")
+                  f"{idle_predicted:>6.1f}>{idle_measured:<6.1f} {timing.median_ms / jittered - 1:>+8.1%} {replay:>+7.1%}")
         print(f"{name:<11} {'1f1b/balanced, 2nd copy':<26} {'':>12} {control.median_ms:>12.1f} "
               f"{'':>8} {control.median_ms / timings[0].median_ms - 1:>+9.1%}  (noise floor: the same plan again)")
     print(f"\nmean |error| {statistics.mean(errors):.1%}, max |error| {max(errors):.1%} over {len(errors)} runs "
@@ -139,6 +153,9 @@ def main() -> None:
     print(f"predicted with op-to-op jitter (each op's time its price x a ratio drawn from the rotation's measured "
           f"durations / their op's price, median of {JITTER_SAMPLES} simulations; column 'jittered'): mean |error| "
           f"{statistics.mean(jitter_errors):.1%}, max {max(jitter_errors):.1%}")
+    print(f"replayed: each measured step simulated with every op at its measured time in that step (column "
+          f"'replay', median over the steps of measured / replayed): mean |error| {statistics.mean(replay_errors):.1%}, "
+          f"max {max(replay_errors):.1%}: the simulator's schedule, transfers and waits, once the ops' times are right")
     print(f"the ops' measured time (compute and message posting, all ranks) against the simulated busy time: mean "
           f"|error| {statistics.mean(op_errors):.1%}, max {max(op_errors):.1%} (column 'ops'; 'idle ms' = predicted > "
           f"measured idle per rank: the waits)")

@@ -40,6 +40,10 @@ class StepTiming:
     in a step, compute and message posting (waits for a message not counted), median over the
     timed steps (as `median_ms`); the measured counterpart of `SimResult.device_busy_ms`. Empty
     where not recorded."""
+    op_ms: tuple[dict[tuple[str, int, int], float], ...] = ()
+    """Where recorded (as `busy_ms`), per timed step: every op's measured time, all ranks, keyed
+    (op kind "F"/"B"/"W", stage, microbatch); an op's time is its compute plus the posting of the
+    messages it sends, as the simulator counts them (`replayed_ms` re-simulates a step from them)."""
 
     @property
     def median_ms(self) -> float:
@@ -73,6 +77,32 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
     return PairedSpeedup(statistics.median(ratios), low, high)
 
 
+_OP_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
+"""A compute instruction's op kind in the plan (a fused backward is the plan's B)."""
+
+
+def replayed_ms(plan: Any, costs: Any, cluster: ClusterSpec, op_ms: dict[tuple[str, int, int], float]) -> float:
+    """The simulated iteration time of `plan` with every op at its measured time of one step
+    (`StepTiming.op_ms`) instead of its price in `costs`: the simulator's schedule, transfers and
+    waits replayed on the real ops. Where it matches the measured step, the rest of a prediction's
+    error is in the ops' times (their prices and their op-to-op jitter), not in what the simulator
+    makes of them. An op not in `op_ms` keeps its price."""
+    from octopipe.simulator import jitter_of, simulate
+
+    priced = simulate(plan, costs, cluster, validated=True)
+    ops = list(priced.op_end)
+    # what the simulator adds to an op's compute (its messages' posting, the per-op overhead) stays
+    fixed = simulate(plan, costs, cluster, validated=True, jitter=jitter_of(plan, dict.fromkeys(ops, 0.0)))
+    factors = {}
+    for op in ops:
+        measured = op_ms.get((op.kind.value, op.stage, op.microbatch))
+        constant = fixed.op_end[op] - fixed.op_start[op]
+        scaled = priced.op_end[op] - priced.op_start[op] - constant
+        if measured is not None and scaled > 0:
+            factors[op] = max(0.0, measured - constant) / scaled
+    return simulate(plan, costs, cluster, validated=True, jitter=jitter_of(plan, factors)).iteration_ms
+
+
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -103,6 +133,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
+    op_spans: list[list[dict[tuple[str, int, int], float]]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
     link &= world_size > 1  # one process has no link to measure
     link_rounds: list[list[float]] = []
@@ -134,20 +165,27 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 losses[index].append(float(loss))
             if probe:
                 busy[index].append(0.0)
+                spans: dict[tuple[str, int, int], float] = {}
+                last = None
                 for instruction, begin, end in engine.timeline:
                     if instruction.is_compute:
                         key = (instruction.kind.value, instruction.stage)
+                        last = (_OP_LETTER[instruction.kind.value], instruction.stage, instruction.microbatch)
+                        spans[last] = (end - begin) * 1e3
                     elif instruction.is_send or instruction.is_recv:
                         key = (MESSAGE, *sorted((instruction.stage, instruction.peer_stage)))  # producer, consumer
+                        if instruction.is_send and last is not None:
+                            spans[last] += (end - begin) * 1e3  # its output's posting, part of the op as simulated
                     else:
                         continue
                     durations[index].setdefault(key, []).append((end - begin) * 1e3)
                     busy[index][-1] += (end - begin) * 1e3
+                op_spans[index].append(spans)
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
-    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else ())
-            for t, values, b in zip(times, losses, busy)], durations, link_rounds
+    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o))
+            for t, values, b, o in zip(times, losses, busy, op_spans)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -218,8 +256,10 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                         link),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
-    # rank 0's step times, with every rank's busy time where recorded
-    timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms))
+    # rank 0's step times, with every rank's busy time and op times where recorded
+    timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms),
+                       op_ms=tuple({key: ms for rank in results for key, ms in rank[0][index].op_ms[step].items()}
+                                   for step in range(len(timing.op_ms))))
                for index, timing in enumerate(results[0][0])]
     return timings, [durations for _, durations, _ in results], _least(rounds) if rounds else None
 

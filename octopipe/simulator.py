@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -209,8 +209,7 @@ class SimResult:
     released it (its device predecessor or the dependency it waited for), -1 for none."""
 
     def _key(self, op: Op) -> int:
-        plan = self.plan
-        return (_KIND_INDEX[op.kind] * plan.num_stages + op.stage) * plan.num_microbatches + op.microbatch
+        return _slot(self.plan, op)
 
     def _op(self, key: int) -> Op:
         per_kind = self.plan.num_stages * self.plan.num_microbatches
@@ -440,6 +439,20 @@ def jittered_iterations(plan: PipelinePlan, costs: CostTable, cluster: ClusterSp
 def _op_slots(plan: PipelinePlan) -> int:
     """F, B and W of every stage and microbatch: the length of the simulator's per-op arrays."""
     return 3 * plan.num_stages * plan.num_microbatches
+
+
+def _slot(plan: PipelinePlan, op: Op) -> int:
+    """An op's index in the simulator's per-op arrays (kind x stages x microbatches + stage x
+    microbatches + microbatch)."""
+    return (_KIND_INDEX[op.kind] * plan.num_stages + op.stage) * plan.num_microbatches + op.microbatch
+
+
+def jitter_of(plan: PipelinePlan, factors: Mapping[Op, float]) -> list[float]:
+    """`simulate`'s `jitter` list for `plan` from a factor per op (1 for an op not given)."""
+    jitter = [1.0] * _op_slots(plan)
+    for op, factor in factors.items():
+        jitter[_slot(plan, op)] = factor
+    return jitter
 
 
 def iteration_time(

@@ -8,8 +8,8 @@ import pytest
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.errors import ArgumentError, ClusterSpecError
 from octopipe.ir import SkipTensor, TiedParameter
-from octopipe.ir.plan import B, F, OpKind, W
-from octopipe.simulator import MemoryModel, iteration_time, jittered_iterations, simulate
+from octopipe.ir.plan import B, F, Op, OpKind, W
+from octopipe.simulator import MemoryModel, iteration_time, jitter_of, jittered_iterations, simulate
 
 FREE = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
 
@@ -59,6 +59,8 @@ def test_jitter_scales_each_op_and_a_late_op_delays_what_waits_for_it():
     assert start["1F0"] == 3 and start["0F1"] == 3
     with pytest.raises(ArgumentError, match="one factor per op slot"):
         simulate(plan, table(2), FREE, jitter=[1.0] * (size - 1))
+    # the same late op given by name
+    assert jitter_of(plan, {Op.parse("0F0"): 3.0}) == late
     # drawn from measured ratios: deterministic for a seed, sorted, exact where there is no spread
     assert jittered_iterations(plan, table(2), FREE, [1.0], samples=3) == [9.0, 9.0, 9.0]
     draws = jittered_iterations(plan, table(2), FREE, [0.5, 1.5], samples=16, seed=3)

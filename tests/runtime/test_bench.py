@@ -271,8 +271,14 @@ def test_busy_time_of_measured_pipes_is_recorded_per_rank_on_request():
         # every instruction runs between the step's two barriers: busy within the step, and a
         # rank with stages did run something
         assert all(0 < busy <= max(timing.step_ms) for busy in timing.busy_ms)
+        # and each timed step's ops, every rank's, one time per op of the plan
+        pipe = pipes[timings.index(timing)]
+        assert len(timing.op_ms) == 2
+        planned = {(op.kind.value, op.stage, op.microbatch) for ops in pipe.plan.device_ops for op in ops}
+        assert all(set(step) == planned for step in timing.op_ms)
+        assert all(0 < ms <= max(timing.step_ms) for step in timing.op_ms for ms in step.values())
     plain, _ = measure_with_profiles(pipes[:1], probe, inputs, target, steps=1, warmup=0)
-    assert plain[0].busy_ms == ()
+    assert plain[0].busy_ms == () and plain[0].op_ms == ()
 
 
 def test_a_one_process_profile_has_no_link_or_message_to_measure():
@@ -283,3 +289,29 @@ def test_a_one_process_profile_has_no_link_or_message_to_measure():
     assert all(layer.forward_ms > 0 for layer in profile.costs)
     cluster = ClusterSpec.preset("cpu", num_devices=1)
     assert profile.calibrate(cluster) == cluster  # nothing measured, nothing replaced
+
+
+def test_a_step_replayed_on_its_measured_ops_moves_with_them():
+    from octopipe import PipelinePlan
+    from octopipe.bench import replayed_ms
+    from octopipe.ir import CostTable, LayerCost
+    from octopipe.simulator import simulate
+
+    plan = PipelinePlan.parse("plan devices=2 microbatches=2 stages=2\nstage 0 layers=0:1 device=0\n"
+                              "stage 1 layers=1:2 device=1\ndevice 0: 0F0 0F1 0B0 0B1\ndevice 1: 1F0 1B0 1F1 1B1\n")
+    costs = CostTable(tuple(LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, output_bytes=1000) for i in range(2)))
+    # a per-op overhead and a link: what the simulator adds to an op's price stays out of the replay's ratios
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9, latency_s=1e-4,
+                          op_overhead_ms=0.25)
+    sim = simulate(plan, costs, cluster)
+    as_priced = {(op.kind.value, op.stage, op.microbatch): end - sim.op_start[op] for op, end in sim.op_end.items()}
+    assert replayed_ms(plan, costs, cluster, as_priced) == pytest.approx(sim.iteration_ms)
+    assert replayed_ms(plan, costs, cluster, {}) == pytest.approx(sim.iteration_ms)  # unmeasured ops keep their price
+    # 0F0 measured 2 ms longer than priced: the chain behind it (1F0, 1B0, 0B0, ...) moves by 2 ms
+    late = dict(as_priced)
+    late[("F", 0, 0)] += 2.0
+    assert replayed_ms(plan, costs, cluster, late) == pytest.approx(sim.iteration_ms + 2.0)
+    # 0B1 ends the step on device 0 with nothing behind it but the step: 1 ms less there is 1 ms less
+    early = dict(as_priced)
+    early[("B", 0, 1)] -= 1.0
+    assert replayed_ms(plan, costs, cluster, early) == pytest.approx(sim.iteration_ms - 1.0)
