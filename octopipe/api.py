@@ -866,7 +866,8 @@ def compile(
         if plan is not None:
             chosen = timed("plan", lambda: load_plan(plan))
             if isinstance(plan, (str, Path)):
-                _warn_planned_elsewhere(plan, table, int(micro[0].shape[0]) if micro else 0, num_microbatches)
+                _warn_planned_elsewhere(plan, table.model, len(table), int(micro[0].shape[0]) if micro else 0,
+                                        num_microbatches)
         elif schedule is not None:
             chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
                                                            num_devices=num_devices, partition=partition))
@@ -1060,10 +1061,12 @@ def _takes_two_arguments(function: Callable[..., Any]) -> bool:
     return True
 
 
-def _warn_planned_elsewhere(path: str | Path, table: CostTable, size: int, num_microbatches: int) -> None:
+def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, size: int, num_microbatches: int,
+                            where: str = "compile") -> None:
     """Warn where a saved plan file says it was planned on another model's costs or on
-    microbatches of another size than compile's: it still runs (the layers match), but its
-    predicted time and memory are for what it was planned on."""
+    microbatches of another size than `size`: it still runs (the layers match), but its
+    predicted time and memory are for what it was planned on. `model` and `num_layers` are the
+    traced model's (CostTable.model and its length); `where` starts the message."""
     import warnings
 
     from octopipe.errors import OctopipeWarning
@@ -1073,14 +1076,14 @@ def _warn_planned_elsewhere(path: str | Path, table: CostTable, size: int, num_m
     except OctopipeError:
         return  # a context that does not parse: compile reads the plan alone, as load_plan does
     planned = saved.costs.model if saved.costs is not None else ""
-    if saved.plan.num_layers != len(table):
-        return  # another layer count: compile refuses the plan next, no warning needed
-    if planned and table.model and planned != table.model:
-        warnings.warn(f"compile: {path} was planned on the costs of {planned}, this model is {table.model}: it runs "
+    if saved.plan.num_layers != num_layers:
+        return  # another layer count: refused next, no warning needed
+    if planned and model and planned != model:
+        warnings.warn(f"{where}: {path} was planned on the costs of {planned}, this model is {model}: it runs "
                       f"(the layer counts match), but its predicted time and memory are {planned}'s; plan again for "
                       "this model (octopipe.plan, or octopipe plan --model)", OctopipeWarning, stacklevel=3)
     if saved.microbatch_size and size and size != saved.microbatch_size:
-        warnings.warn(f"compile: {path} was planned for microbatches of {saved.microbatch_size} samples, this batch "
+        warnings.warn(f"{where}: {path} was planned for microbatches of {saved.microbatch_size} samples, this batch "
                       f"makes microbatches of {size}: its predicted time and memory are for the planned size; use a "
                       f"batch of {saved.microbatch_size * num_microbatches} or plan again for this one",
                       OctopipeWarning, stacklevel=3)

@@ -586,10 +586,11 @@ def _other_microbatches(given: int, path: str, planned: int):
 
 
 def _other_layers(where: str, planned: int, source: str, layers: int, fix: str):
-    """The error for a plan file whose stages cover another layer count than the model or costs."""
-    from octopipe.errors import OctopipeError
+    """The error for a plan file whose stages cover another layer count than the model or costs: an
+    invalid plan (exit 4) in every command, as compile's own check is."""
+    from octopipe.errors import PlanError
 
-    return OctopipeError(f"{where}: its stages cover {planned} layers, but {source} has {layers}; {fix}")
+    return PlanError(f"{where}: its stages cover {planned} layers, but {source} has {layers}; {fix}")
 
 
 def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
@@ -963,17 +964,22 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
                             "(each microbatch takes an equal share of the batch)")
     model, inputs, target, loss_fn = _load_model(args)  # config fields and values the model refuses
     if args.plan and f"--plan {args.plan}" not in missing:
-        from octopipe.api import load_saved_plan
+        from octopipe.api import _warn_planned_elsewhere, load_saved_plan
+        from octopipe.passes.codegen import microbatch
         from octopipe.passes.trace import trace
 
         plan_ = load_saved_plan(args.plan).plan
         if plan_.num_microbatches != args.microbatches:
             raise _other_microbatches(args.microbatches, args.plan, plan_.num_microbatches)
-        layers = len(trace(model, inputs, loss_fn=loss_fn if target is not None else None,
-                           example_target=target).layers)
+        graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
+        layers = len(graph.layers)
         if layers != plan_.num_layers:
             raise _other_layers(f"--plan {args.plan}", plan_.num_layers, f"--model {args.model}", layers,
                                 f"plan this model (octopipe plan --model {args.model} -o ...)")
+        # what compile warns about on every rank, said once here (--torchrun only prints the line)
+        micro = microbatch(inputs, args.microbatches)  # as compile cuts it
+        size = int(micro[0].shape[0]) if micro else 0
+        _warn_planned_elsewhere(args.plan, graph.model, layers, size, args.microbatches, where=f"--plan {args.plan}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -1008,7 +1014,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="plan a heterogeneous model for 2 CPU processes, train it, compare with the best baseline")
-    p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans")
+    p.add_argument("--out", default="octopipe-demo", help="folder for the timeline pictures and plans (created with any missing parents)")
     p.add_argument("--steps", type=_positive_int, default=8, help="measured training steps per plan")
     p.add_argument("--time-limit", type=_positive_float, default=20.0, help="planner time limit in seconds")
     p.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (for tests)")
@@ -1119,7 +1125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_positive_int, default=None)
     p.add_argument("--level", default=None, choices=("graph", "costs", "plan", "program", "stages"),
                    help="the IR level to print (default plan)")
-    p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR")
+    p.add_argument("--all", metavar="DIR", help="write every level as NN_<level>.txt into DIR (created with any "
+                   "missing parent folders; -o FILE needs its folder to exist)")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="compile for bfloat16 or float16 autocast (the stages level shows the dtypes sent between stages)")
     p.set_defaults(run=cmd_dump)

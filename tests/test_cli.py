@@ -649,7 +649,8 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
     assert main(["simulate", str(plan_path)]) == EXIT_OK
     assert "planned: " in capsys.readouterr().out
     # the profile's layers are not llama's: refused before a cluster's worth of ranks would be
-    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--data-parallel", "2", "--torchrun"]) == EXIT_ERROR
+    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--data-parallel", "2",
+                 "--torchrun"]) == EXIT_INVALID_PLAN
     assert "but --model llama has 8" in capsys.readouterr().err
     llama_plan = tmp_path / "llama.json"
     assert main(["plan", "--model", "llama", "--cluster", "h100x16", "--data-parallel", "2", "--microbatches", "8",
@@ -718,11 +719,12 @@ def test_train_torchrun_refuses_what_every_rank_would(tmp_path, capsys):
     assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
                  "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     capsys.readouterr()
-    for extra, message in ((["--schedule", "nonsense"], "not a baseline schedule"),
-                           (["--batch-size", "3"], "not a multiple of --microbatches 4"),
-                           (["--set", "num_layers=0"], "num_layers=0 must be >= 1"),
-                           (["--plan", str(plan_path)], "its stages cover 24 layers, but --model llama has 8")):
-        assert main(["train", "--model", "llama", "--torchrun", *extra]) == EXIT_ERROR, extra
+    for extra, message, code in ((["--schedule", "nonsense"], "not a baseline schedule", EXIT_ERROR),
+                                 (["--batch-size", "3"], "not a multiple of --microbatches 4", EXIT_ERROR),
+                                 (["--set", "num_layers=0"], "num_layers=0 must be >= 1", EXIT_ERROR),
+                                 (["--plan", str(plan_path)], "its stages cover 24 layers, but --model llama has 8",
+                                  EXIT_INVALID_PLAN)):
+        assert main(["train", "--model", "llama", "--torchrun", *extra]) == code, extra
         assert message in capsys.readouterr().err
     # a file that is not on this machine may be on the cluster's: a note, and the line
     assert main(["train", "--model", "llama", "--torchrun", "--init", "ckpt.pt"]) == EXIT_OK
@@ -761,10 +763,13 @@ def test_a_plan_for_another_model_names_the_plan_and_the_model(tmp_path, capsys)
     assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
                  "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     capsys.readouterr()
-    assert main(["simulate", str(plan_path), "--model", "llama"]) == EXIT_ERROR
+    # the same mismatch is the same exit code in every command (simulate said 1, dump and train 4)
+    assert main(["simulate", str(plan_path), "--model", "llama"]) == EXIT_INVALID_PLAN
     assert f"{plan_path}: its stages cover 24 layers, but --model llama has 8" in capsys.readouterr().err
     assert main(["dump", "--model", "llama", "--plan", str(plan_path)]) == EXIT_INVALID_PLAN
     assert f"plan {plan_path} covers 24 layers but the traced model LlamaModel has 8" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--plan", str(plan_path), "--torchrun"]) == EXIT_INVALID_PLAN
+    assert "its stages cover 24 layers, but --model llama has 8" in capsys.readouterr().err
 
 
 def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
@@ -798,6 +803,13 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("warning: compile: gemma.json was planned on the costs of") and "Traceback" not in err
     assert main(["dump", "--model", "llama", "--plan", "p32.json", "--batch-size", "16", "--level", "plan"]) == EXIT_OK
+    assert "planned for microbatches of 8 samples, this batch makes microbatches of 4" in capsys.readouterr().err
+    # train --torchrun compiles nothing, and says the same before printing its line
+    assert main(["train", "--model", "llama", "--plan", "gemma.json", "--torchrun"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert captured.err.startswith("warning: --plan gemma.json: gemma.json was planned on the costs of")
+    assert captured.out.startswith("torchrun")
+    assert main(["train", "--model", "llama", "--plan", "p32.json", "--batch-size", "16", "--torchrun"]) == EXIT_OK
     assert "planned for microbatches of 8 samples, this batch makes microbatches of 4" in capsys.readouterr().err
     # a profile with a layer kind the selective estimates do not know plans, with a warning line
     raw = json.loads(PROFILE.read_text())

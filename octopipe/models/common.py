@@ -150,6 +150,15 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 # ---------------------------------------------------------------- MLPs
 
 
+class Fp32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in the weight's dtype and returned in the input's: under autocast a norm
+    that reads a half-precision activation (Gemma's post-norms read a projection's output) would
+    otherwise mix dtypes, which torch computes unfused, with a warning. As HF's Gemma norm does."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with act="silu", GeGLU with act="gelu_tanh"."""
 

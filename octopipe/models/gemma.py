@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from octopipe.models.common import (
     Attention,
     DecoderLM,
+    Fp32RMSNorm,
     GatedMLP,
     ModelConfig,
     TransformerBlock,
@@ -136,8 +137,8 @@ class GemmaModel(DecoderLM):
                 mlp=GatedMLP(hidden, config.intermediate_size, act="gelu_tanh"),
                 attn_norm=norm(),
                 mlp_norm=norm(),
-                post_attn_norm=norm(),
-                post_mlp_norm=norm(),
+                post_attn_norm=Fp32RMSNorm(hidden, eps=config.norm_eps),  # (they read a projection's output)
+                post_mlp_norm=Fp32RMSNorm(hidden, eps=config.norm_eps),
             )
             for index in range(config.num_layers)
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -372,3 +373,19 @@ def test_multimodal_cross_attention_consumes_the_vision_features() -> None:
     consumers = {user.target for user in features_node.users}
     cross_indices = [index for index in range(cfg.num_layers) if cross[index]]
     assert consumers == {f"layers.{i}.attn.{p}_proj" for i in cross_indices for p in ("k", "v")}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_bf16_autocast_mixes_no_dtypes_in_a_norm(name: str) -> None:
+    # Gemma's post-norms read a projection's bf16 output; an fp32 weight beside it made torch
+    # compute the norm unfused and warn ("Mismatch dtype between input and weight")
+    torch.manual_seed(0)
+    model = build(name, "tiny")
+    inputs = example_inputs(name, "tiny", batch_size=2)
+    target = example_target(name, "tiny", batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model(*inputs), target)
+        loss.backward()
+    assert torch.isfinite(loss)
