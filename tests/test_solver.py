@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.ir.plan import Op, OpKind
-from octopipe.simulator import StageCosts, iteration_time, simulate
+from octopipe.simulator import MemoryModel, StageCosts, iteration_time, simulate
 from octopipe.solver import (
+    _solve_window,
     balance_bound,
     balanced_structure,
     layer_loads,
@@ -303,6 +304,47 @@ def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, un
     # a looser budget never raises it, and without one it is at least every device's release + load
     assert order_bound(sc, placement, m, None) <= bound + 1e-9
     assert order_bound(sc, placement, m, [b + 3000 for b in budget]) <= bound + 1e-9
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 3), st.integers(1, 4)),
+                min_size=2, max_size=3),
+       st.sampled_from([((0, 1), 2, True), ((0, 1), 3, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False)]),
+       st.integers(0, 4), st.booleans())
+def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first):
+    # the CP-SAT order models' memory (a reservoir in the whole-order model, a cumulative of each
+    # microbatch's holding intervals in a window's) must allow exactly the orders the simulator's
+    # accounting allows: from a one-microbatch-at-a-time hint both reach the brute-force best
+    # order within the budget, never one over it
+    placement, m, split = shape
+    costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
+                  activation=[a * 1000 for _, _, _, a in layers], output=[0] * len(layers))
+    if len(layers) < len(placement):
+        placement = placement[:len(layers)]
+    bounds = tuple(range(len(placement))) + (len(layers),)
+    recompute = (recompute_first,) + (False,) * (len(placement) - 1)
+    kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
+    chain = [Op(s, OpKind.F, 0) for s in range(len(placement))] + [
+        Op(s, k, 0) for s in reversed(range(len(placement))) for k in kinds[1:]]
+    serial = PipelinePlan.build(m, bounds, placement,
+                                [[Op(op.stage, op.kind, mb) for mb in range(m) for op in chain if placement[op.stage] == d]
+                                 for d in range(2)], num_devices=2, recompute=recompute)
+    one_at_a_time = max(simulate(serial, costs, FREE).peak_activation_bytes)
+    budget = [one_at_a_time + extra * 1000.0] * 2
+    exact = best_order(costs, FREE, m, bounds, placement, split, budget, recompute)
+    result = refine_order(serial, costs, FREE, work=20, activation_budget=budget)
+    assert result.full_model
+    sim = simulate(result.plan, costs, FREE)
+    assert max(sim.peak_activation_bytes) <= budget[0] + 1e-6
+    assert result.iteration_ms == pytest.approx(exact)
+    assert result.lower_bound_ms is not None and result.lower_bound_ms <= exact + 1e-6
+    # the window model (its memory a cumulative of holding intervals) freeing every op: the same
+    window = _solve_window(serial, costs, FREE, {op for ops in serial.device_ops for op in ops}, 20, None, budget,
+                           MemoryModel(), 0)
+    assert window is not None
+    sim = simulate(window[0], costs, FREE)
+    assert max(sim.peak_activation_bytes) <= budget[0] + 1e-6
+    assert sim.iteration_ms == pytest.approx(exact)
 
 
 def test_order_bound_sees_the_warm_up_a_tight_budget_forces():
