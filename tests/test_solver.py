@@ -282,6 +282,17 @@ def best_order(costs, cluster, m, bounds, placement, split, budget, recompute=()
     return best
 
 
+def small_structure(layers, placement, recompute_first, output):
+    """A table of (forward, backward, weight, activation units) layers, one stage per layer on
+    `placement` (cut to the layer count), the first stage recomputing where asked."""
+    costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
+                  activation=[a * 1000 for _, _, _, a in layers], output=[output] * len(layers))
+    placement = placement[:len(layers)]
+    bounds = tuple(range(len(placement))) + (len(layers),)
+    recompute = (recompute_first,) + (False,) * (len(placement) - 1)
+    return costs, placement, bounds, recompute
+
+
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 3), st.integers(1, 4)),
                 min_size=2, max_size=3),
@@ -290,12 +301,7 @@ def best_order(costs, cluster, m, bounds, placement, split, budget, recompute=()
        st.booleans())
 def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first):
     placement, m, split = shape
-    costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
-                  activation=[a * 1000 for _, _, _, a in layers], output=[100] * len(layers))
-    if len(layers) < len(placement):
-        placement = placement[:len(layers)]
-    bounds = tuple(range(len(placement))) + (len(layers),)
-    recompute = (recompute_first,) + (False,) * (len(placement) - 1)
+    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=100)
     budget = [units * 1000.0] * 2
     exact = best_order(costs, FREE, m, bounds, placement, split, budget, recompute)
     sc = StageCosts.of(bounds, costs, recompute)
@@ -317,12 +323,7 @@ def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape,
     # accounting allows: from a one-microbatch-at-a-time hint both reach the brute-force best
     # order within the budget, never one over it
     placement, m, split = shape
-    costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
-                  activation=[a * 1000 for _, _, _, a in layers], output=[0] * len(layers))
-    if len(layers) < len(placement):
-        placement = placement[:len(layers)]
-    bounds = tuple(range(len(placement))) + (len(layers),)
-    recompute = (recompute_first,) + (False,) * (len(placement) - 1)
+    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=0)
     kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
     chain = [Op(s, OpKind.F, 0) for s in range(len(placement))] + [
         Op(s, k, 0) for s in reversed(range(len(placement))) for k in kinds[1:]]
