@@ -813,11 +813,11 @@ def _limit_memory(model: cp_model.CpModel, ops: Sequence[Op], sc: StageCosts, sp
     """One device's activation memory <= `capacity` from time `origin` on, as a cumulative over
     each microbatch's holding intervals: `held` from its F's start to its B's end, the rest of its
     activation during its B (a recomputing stage), what its B keeps for W from B's end to W's end.
-    The same levels as `_memory_events` summed, which the windows' models presolve faster than a
-    reservoir of those events (3.3 s against 15.3 s for the whole order of a 3072-op plan at one
-    deterministic second). `at(op, at_start)` is an op's start or end: a
-    variable, or a constant for an op that does not move; `hinted` is its value in the hint
-    (every interval's length is hinted too: CP-SAT searches poorly from a partial hint)."""
+    The same levels as `_memory_events` summed, which a model presolves faster than a reservoir
+    of those events (the whole order of a 3072-op plan at one deterministic second: 3.3 s against
+    15.3 s). `at(op, at_start)` is an op's start or end: a variable, or a constant for an op that
+    does not move; `hinted` is its value in the hint (every interval's length is hinted too:
+    CP-SAT searches poorly from a partial hint)."""
     by_chunk: dict[tuple[int, int], dict[OpKind, Op]] = {}
     for op in ops:
         by_chunk.setdefault((op.stage, op.microbatch), {})[op.kind] = op
