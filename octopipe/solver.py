@@ -816,8 +816,8 @@ def _limit_memory(model: cp_model.CpModel, ops: Sequence[Op], sc: StageCosts, sp
     The same levels as `_memory_events` summed, which a model presolves faster than a reservoir
     of those events (the whole order of a 3072-op plan at one deterministic second: 3.3 s against
     15.3 s). `at(op, at_start)` is an op's start or end: a variable, or a constant for an op that
-    does not move; `hinted` is its value in the hint (every interval's length is hinted too:
-    CP-SAT searches poorly from a partial hint)."""
+    does not move; `hinted` is its value in the hint (every interval's length is hinted too, so
+    the hint stays complete)."""
     by_chunk: dict[tuple[int, int], dict[OpKind, Op]] = {}
     for op in ops:
         by_chunk.setdefault((op.stage, op.microbatch), {})[op.kind] = op
