@@ -17,9 +17,8 @@ plans no worse than the hint, and proven lower bounds.
 - `order_bound`: a bound on every op order of one structure under the activation budget (warm-up
   and cool-down memory arguments per device); the tuner skips moves it rules out.
 - `refine_order`: the timing model of one structure — an interval per op, precedences with
-  transfer delays, no-overlap per device, activation memory per device (a recomputing stage's F
-  holds its inputs, its B takes the activations back at its start; a reservoir of memory events
-  in the whole-order model, a cumulative of holding intervals in the windows), objective
+  transfer delays, no-overlap per device, activation memory as a reservoir per device (a
+  recomputing stage's F holds its inputs, its B takes the activations back at its start), objective
   = iteration time — hinted with the tuner's plan, whole or over windows of it. Never returns a
   plan worse than the hint; keeps the plan's structure (recompute flags included).
 - `solve_joint`: the full joint model (partition boundaries, placement and order as variables)
@@ -37,7 +36,7 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -681,10 +680,9 @@ def refine_order(
     """Improve the op order of `plan` (structure fixed) with CP-SAT, hinted with the plan itself.
 
     The model: an interval per op (durations rounded up to ticks), precedences with transfer
-    delays, no-overlap per device, activation memory per device (the simulator's levels in bytes
-    rounded to integers, one byte per op of slack; every candidate is re-simulated against the
-    exact budget: a reservoir of memory events in the whole-order model, `_limit_memory`'s
-    cumulative in the windows), objective = iteration time.
+    delays, no-overlap per device, activation memory as a reservoir per device (the simulator's
+    levels in bytes rounded to integers, one byte per op of slack; every candidate is re-simulated
+    against the exact budget), objective = iteration time.
     The hint is the plan's own schedule, re-timed in the model's integer ticks so it is feasible.
     When the plan has at most `max_window_ops` ops the whole order is one model (and its bound
     holds for every order of the structure); otherwise each of up to `max_windows` models frees
@@ -796,7 +794,7 @@ def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], ke
     """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
     them: F takes what its stage holds until B; a recomputing stage's B takes the rest at its start;
     B frees round((1 - keep) x activation) (all of it without a W) at its end and W the rest, so
-    every microbatch gives back exactly what it took. Integers, as `_limit_memory` counts them."""
+    every microbatch gives back exactly what it took. Integers: the reservoir's units."""
     amount = int(round(sc.activation[op.stage]))
     held = int(round(sc.held[op.stage]))
     if op.kind is OpKind.F:
@@ -805,54 +803,6 @@ def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], ke
     if op.kind is OpKind.B:
         return [(True, amount - held), (False, -freed_by_b)] if amount != held else [(False, -freed_by_b)]
     return [(False, freed_by_b - amount)]
-
-
-def _limit_memory(model: cp_model.CpModel, ops: Sequence[Op], sc: StageCosts, split: frozenset[tuple[int, int]],
-                  keep: float, at: Callable[[Op, bool], cp_model.LinearExprT], hinted: Callable[[Op, bool], int],
-                  origin: int, capacity: int) -> None:
-    """One device's activation memory <= `capacity` from time `origin` on, as a cumulative over
-    each microbatch's holding intervals: `held` from its F's start to its B's end, the rest of its
-    activation during its B (a recomputing stage), what its B keeps for W from B's end to W's end.
-    The same levels as `_memory_events` summed, which a model presolves faster than a reservoir
-    of those events (the whole order of a 3072-op plan at one deterministic second: 3.3 s against
-    15.3 s). `at(op, at_start)` is an op's start or end: a variable, or a constant for an op that
-    does not move; `hinted` is its value in the hint (every interval's length is hinted too, so
-    the hint stays complete)."""
-    by_chunk: dict[tuple[int, int], dict[OpKind, Op]] = {}
-    for op in ops:
-        by_chunk.setdefault((op.stage, op.microbatch), {})[op.kind] = op
-    intervals, demands = [], []
-
-    def hold(first: Op, at_start: bool, last: Op, at_end: bool, amount: int, name: str) -> None:
-        if amount <= 0:
-            return
-        begin, finish = at(first, at_start), at(last, at_end)
-        if isinstance(begin, int) and isinstance(finish, int):
-            begin = max(begin, origin)
-            if finish <= begin:
-                return
-            intervals.append(model.NewFixedSizeIntervalVar(begin, finish - begin, name))
-        else:
-            if isinstance(begin, int):
-                begin = max(begin, origin)
-            size = model.NewIntVar(0, cp_model.INT32_MAX, f"{name}_size")
-            model.AddHint(size, max(0, hinted(last, at_end) - max(hinted(first, at_start), origin)))
-            intervals.append(model.NewIntervalVar(begin, size, finish, name))
-        demands.append(amount)
-
-    for (stage, mb), chunk in by_chunk.items():
-        forward, backward, weight = chunk.get(OpKind.F), chunk.get(OpKind.B), chunk.get(OpKind.W)
-        if forward is None or backward is None:
-            raise PlanError(f"_limit_memory: stage {stage} microbatch {mb} lacks its F or B on this device")
-        amount = int(round(sc.activation[stage]))
-        held = int(round(sc.held[stage]))
-        freed_by_b = amount if (stage, mb) not in split else int(round(amount * (1 - keep)))
-        hold(forward, True, backward, False, held, f"m{forward}")
-        hold(backward, True, backward, False, amount - held, f"r{backward}")
-        if weight is not None:
-            hold(backward, False, weight, False, amount - freed_by_b, f"w{weight}")
-    if intervals:
-        model.AddCumulative(intervals, demands, capacity)
 
 
 def _ceil_ticks(ms: float) -> int:
@@ -951,21 +901,18 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
             model.AddHint(begin, hint[op])
         model.AddNoOverlap(intervals)
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
-            # before the window: constants; after it: never (what they free stays held)
-            def at(op: Op, at_start: bool, done: frozenset[Op] = frozenset(before)) -> cp_model.LinearExprT:
-                if op in start:
-                    return start[op] if at_start else end[op]
-                if op in done:
-                    return hint[op] if at_start else hint_end[op]
-                return horizon
-
-            def hinted(op: Op, at_start: bool, done: frozenset[Op] = frozenset(before + middle)) -> int:
-                if op in done:
-                    return hint[op] if at_start else hint_end[op]
-                return horizon
-            level = sum(change for op in before for _, change in _memory_events(op, sc, split, keep))
-            _limit_memory(model, before + middle + after, sc, split, keep, at, hinted, free_at,
-                          max(int(activation_budget[device]), level) + len(middle))
+            level, times, changes = 0, [], []
+            for op in before + middle:
+                for at_start, change in _memory_events(op, sc, split, keep):
+                    if op in start:
+                        times.append(start[op] if at_start else end[op])
+                        changes.append(change)
+                    else:
+                        level += change
+            if level:
+                times.append(free_at)
+                changes.append(level)
+            model.AddReservoirConstraint(times, changes, 0, max(int(activation_budget[device]), level) + len(middle))
     for op in start:
         for dep, lag in deps[op]:
             if dep in start:
@@ -1033,9 +980,6 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
                     pending = []
                     previous_fixed = op
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
-            # a reservoir of the ops' memory events here, not `_limit_memory`'s cumulative: on
-            # the demo's 72-op plan, one worker with the same work found a 6.5% faster order
-            # with it (the cumulative 0.5%); the windows presolve faster with the cumulative
             keep = memory.weight_memory_fraction
             times, changes = [], []
             for op in ops:
