@@ -866,8 +866,7 @@ def compile(
         if plan is not None:
             chosen = timed("plan", lambda: load_plan(plan))
             if isinstance(plan, (str, Path)):
-                _warn_planned_elsewhere(plan, table.model, len(table), int(micro[0].shape[0]) if micro else 0,
-                                        num_microbatches)
+                _warn_planned_elsewhere(plan, table.model, len(table), micro, num_microbatches)
         elif schedule is not None:
             chosen = timed("plan", lambda: schedules.build(schedule, table, cluster, num_microbatches,
                                                            num_devices=num_devices, partition=partition))
@@ -1061,12 +1060,13 @@ def _takes_two_arguments(function: Callable[..., Any]) -> bool:
     return True
 
 
-def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, size: int, num_microbatches: int,
-                            where: str = "compile") -> None:
+def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro: Sequence[Any],
+                            num_microbatches: int, where: str = "compile") -> None:
     """Warn where a saved plan file says it was planned on another model's costs or on
-    microbatches of another size than `size`: it still runs (the layers match), but its
-    predicted time and memory are for what it was planned on. `model` and `num_layers` are the
-    traced model's (CostTable.model and its length); `where` starts the message."""
+    microbatches of another size than `micro`'s (one microbatch of the batch, as compile cuts
+    it): it still runs (the layers match), but its predicted time and memory are for what it was
+    planned on. `model` and `num_layers` are the traced model's (CostTable.model and its
+    length); `where` starts the message."""
     import warnings
 
     from octopipe.errors import OctopipeWarning
@@ -1076,6 +1076,7 @@ def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, size:
     except OctopipeError:
         return  # a context that does not parse: compile reads the plan alone, as load_plan does
     planned = saved.costs.model if saved.costs is not None else ""
+    size = int(micro[0].shape[0]) if micro else 0
     if saved.plan.num_layers != num_layers:
         return  # another layer count: refused next, no warning needed
     if planned and model and planned != model:

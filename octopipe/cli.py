@@ -977,9 +977,8 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
             raise _other_layers(f"--plan {args.plan}", plan_.num_layers, f"--model {args.model}", layers,
                                 f"plan this model (octopipe plan --model {args.model} -o ...)")
         # what compile warns about on every rank, said once here (--torchrun only prints the line)
-        micro = microbatch(inputs, args.microbatches)  # as compile cuts it
-        size = int(micro[0].shape[0]) if micro else 0
-        _warn_planned_elsewhere(args.plan, graph.model, layers, size, args.microbatches, where=f"--plan {args.plan}")
+        _warn_planned_elsewhere(args.plan, graph.model, layers, microbatch(inputs, args.microbatches), args.microbatches,
+                                where=f"--plan {args.plan}")
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

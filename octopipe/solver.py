@@ -1578,7 +1578,7 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
     most = [max(sc.backward_input[s] + sc.weight[s], sc.backward_full[s]) for s in stages]
     all_forward, all_backward = sum(forward), sum(backward)
     held = sc.held or sc.activation
-    reach = [sum(forward[:s]) for s in stages]
+    reach = list(itertools.accumulate(forward, initial=0.0))[:-1]  # when the forward reaches each stage
     bound = 0.0
     for device in sorted(set(placement)):
         own = [s for s in stages if placement[s] == device]
