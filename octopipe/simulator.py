@@ -698,15 +698,12 @@ def _run(
             "every stage and microbatch needs one F and one B\n" + render_grid(device_ops)
         )
     iteration = max(device_time) if device_time else 0.0
-    static = [0.0] * num_devices
-    for stage in range(num_stages):
-        static[stage_device[stage]] += sc.params[stage] * memory.state_bytes_per_param_byte
+    tied = _tied_holders(plan, costs) if costs.tied else []
+    static = _static_bytes(sc.params, stage_device, tied, num_devices, memory)
     reductions = []
     reduced_until = [0.0] * num_devices
     if costs.tied:
-        for name, size, holders in _tied_holders(plan, costs):
-            for device, count in holders.items():  # the layers on one device share one copy
-                static[device] -= (count - 1) * size * memory.state_bytes_per_param_byte
+        for name, size, holders in tied:
             if len(holders) < 2:
                 continue
             devices = tuple(sorted(holders))
@@ -791,19 +788,46 @@ def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float
     key = ("tied_holders", id(costs))
     cached = plan._cache.get(key)
     if cached is None or cached[0] is not costs:
-        stage_of = [0] * plan.num_layers
-        for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
-            for layer in range(start, end):
-                stage_of[layer] = stage
-        holders = []
-        for tied in costs.tied:
-            counts: dict[int, int] = {}
-            for layer in tied.layers:
-                device = plan.placement[stage_of[layer]]
-                counts[device] = counts.get(device, 0) + 1
-            holders.append((tied.name, float(tied.bytes), counts))
-        cached = plan._cache[key] = (costs, holders)
+        cached = plan._cache[key] = (costs, tied_holders(costs, plan.boundaries, plan.placement))
     return cached[1]
+
+
+def tied_holders(costs: CostTable, boundaries: Sequence[int], placement: Sequence[int]
+                 ) -> list[tuple[str, float, dict[int, int]]]:
+    """Per tied parameter of `costs`: (name, bytes, {device: how many of its layers that device
+    holds}) under the partition `boundaries` and the stage -> device map `placement`."""
+    stage_of = [0] * (boundaries[-1] if boundaries else 0)
+    for stage, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        for layer in range(start, end):
+            stage_of[layer] = stage
+    holders = []
+    for tied in costs.tied:
+        counts: dict[int, int] = {}
+        for layer in tied.layers:
+            device = placement[stage_of[layer]]
+            counts[device] = counts.get(device, 0) + 1
+        holders.append((tied.name, float(tied.bytes), counts))
+    return holders
+
+
+def static_memory(costs: CostTable, boundaries: Sequence[int], placement: Sequence[int], num_devices: int,
+                  memory: MemoryModel = MemoryModel()) -> list[float]:
+    """Bytes of weights, gradients and optimizer state per device, as `simulate` counts them: each
+    stage's parameters on its device, a tied parameter once per device however many of its layers
+    that device holds."""
+    params = [costs.range_sum("params", start, end) for start, end in zip(boundaries[:-1], boundaries[1:])]
+    return _static_bytes(params, placement, tied_holders(costs, boundaries, placement), num_devices, memory)
+
+
+def _static_bytes(params: Sequence[float], placement: Sequence[int], tied: list[tuple[str, float, dict[int, int]]],
+                  num_devices: int, memory: MemoryModel) -> list[float]:
+    static = [0.0] * num_devices
+    for stage, size in enumerate(params):
+        static[placement[stage]] += size * memory.state_bytes_per_param_byte
+    for _, size, holders in tied:
+        for device, count in holders.items():  # the layers on one device share one copy
+            static[device] -= (count - 1) * size * memory.state_bytes_per_param_byte
+    return static
 
 
 def _split_flags(plan: PipelinePlan, per_kind: int) -> list[bool]:

@@ -73,7 +73,8 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import LinkQueues, MemoryModel, StageCosts, iteration_time, message_host_ms, simulate
+from octopipe.simulator import (LinkQueues, MemoryModel, StageCosts, iteration_time, message_host_ms, simulate,
+                                static_memory)
 
 RUNNER_UP_MARGIN = 0.10
 """How much slower than the chosen plan (predicted) a runner-up may be: about the simulator's
@@ -627,10 +628,8 @@ class _Search:
         return budget
 
     def static_memory(self, structure: Structure) -> list[float]:
-        static = [0.0] * self.p
-        for s, (a, b) in enumerate(zip(structure.boundaries[:-1], structure.boundaries[1:])):
-            static[structure.placement[s]] += self.costs.range_sum("params", a, b) * self.memory.state_bytes_per_param_byte
-        return static
+        """Weights, gradients and state per device, as the simulator counts them (tied once)."""
+        return static_memory(self.costs, structure.boundaries, structure.placement, self.p, self.memory)
 
     def overshoot(self, peak_activation: Sequence[float], peak_memory: Sequence[float]) -> float:
         worst = 0.0

@@ -169,6 +169,21 @@ def test_a_costly_tied_all_reduce_keeps_the_tied_layers_inside_one_node():
     assert split and split[0].iteration_ms > result.report.iteration_ms + 40  # pays the all-reduce
 
 
+def test_tied_layers_on_one_device_count_their_parameter_once_in_the_activation_limit():
+    # layers 0 and 1 share one 8 MiB weight: on one device the simulator counts it once, so the
+    # tuner must too when it takes the fixed bytes out of a device's peak (it counted it twice, took
+    # 16 MiB too much for weights, and returned a plan holding 80 MiB of activations under a 20 MiB limit)
+    mib = 2**20
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=10 * mib, output_bytes=mib,
+                                 param_bytes=8 * mib if i in (0, 1) else 0) for i in range(4)],
+                      tied=(TiedParameter("w", (0, 1), 8 * mib),))
+    cluster = ClusterSpec.preset("h100x2")
+    result = octopipe.plan(costs, cluster, 4, activation_limit=20 * mib, quiet=True, time_limit_s=10, effort=0.05)
+    assert result.report.chosen_row.fits
+    assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= 20 * mib
+    check_result(result, costs, cluster)
+
+
 def test_plan_is_deterministic_for_a_seed():
     costs = heterogeneous(3, num_layers=12)
     cluster = ClusterSpec.preset("h100x4")
