@@ -246,7 +246,9 @@ def plan(
         sources["release bound (late-starting devices)"] = released.lower_ms
     notes.append(f"lower bound: {max(sources, key=lambda k: sources[k])} (max of {', '.join(sources)})")
     if not costs.has_memory_info:
-        notes.append("the cost table has no activation_bytes: memory limits cannot bind")
+        notes.append("the cost table has no activation_bytes: activation limits cannot bind"
+                     + (", only weights, gradients and optimizer state count against the memory limit"
+                        if any(costs.params) else ", and no param_bytes: memory limits cannot bind"))
     if costed_for not in (None, num_microbatches) and costs.accumulates:
         notes.append(f"gradient accumulation re-costed for {num_microbatches} microbatches (the table was costed for "
                      f"{costed_for})")

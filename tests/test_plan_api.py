@@ -184,6 +184,20 @@ def test_tied_layers_on_one_device_count_their_parameter_once_in_the_activation_
     check_result(result, costs, cluster)
 
 
+def test_the_report_says_what_memory_can_bind_on_a_table_without_activation_bytes():
+    # no activation_bytes, but weights: the memory limit still rules plans out (gpipe/uniform here)
+    weighted = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, param_bytes=2**28 * (i + 1))
+                          for i in range(4)])
+    report = octopipe.plan(weighted, ClusterSpec.preset("h100x2"), 4, memory_limit_bytes=13 * 2**30, quiet=True,
+                           effort=0.05).report
+    assert any(not row.fits for row in report.baselines)
+    assert not any("memory limits cannot bind" in note for note in report.notes)
+    assert any("only weights, gradients and optimizer state count" in note for note in report.notes)
+    bare = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)])
+    report = octopipe.plan(bare, ClusterSpec.preset("h100x2"), 4, quiet=True, effort=0.05).report
+    assert any("memory limits cannot bind" in note for note in report.notes)
+
+
 def test_plan_is_deterministic_for_a_seed():
     costs = heterogeneous(3, num_layers=12)
     cluster = ClusterSpec.preset("h100x4")
