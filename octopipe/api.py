@@ -296,10 +296,11 @@ def plan(
 def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activation_limit: float | None,
                  memory_limit: float, memory: MemoryModel, refinement: Refinement | None) -> float:
     """No order of `chosen`'s structure within the limits beats this (`solver.order_bound` under
-    each device's activation room; the CP-SAT whole-order model's bound where it ran on it)."""
+    each device's activation room; the CP-SAT whole-order model's bound where it ran on it and
+    holds for fused backwards too)."""
     bound = structure_order_bound(Structure.of(chosen), costs, chosen.num_microbatches,
                                   _activation_room(sim, activation_limit, memory_limit), memory)
-    if refinement is not None and refinement.lower_bound_ms is not None:
+    if refinement is not None and refinement.lower_bound_ms is not None and refinement.bound_covers_every_order:
         bound = max(bound, refinement.lower_bound_ms)
     return min(bound, sim.iteration_ms)
 

@@ -655,13 +655,18 @@ class Refinement:
     plan: PipelinePlan
     iteration_ms: float
     lower_bound_ms: float | None
-    """Proven bound on the iteration time of every order of this structure (whole-order model
-    only; None when only windows were solved)."""
+    """Proven bound on the iteration time of every order of this structure that splits each
+    backward into B and W as the plan does (whole-order model only; None when only windows were
+    solved). It holds for every order, fused backwards included, where `bound_covers_every_order`."""
     windows: int
     improved_windows: int
     full_model: bool
     seconds: float
     cut_short: bool = False
+    bound_covers_every_order: bool = False
+    """Whether `lower_bound_ms` holds for every order of the structure: the plan splits every
+    backward and no stage's full backward costs less than its B and W together, so a fused
+    backward can always be replaced by its B and W at no cost in time or memory."""
 
 
 def refine_order(
@@ -729,7 +734,19 @@ def refine_order(
             best_plan, best_sim, best_time = candidate, sim, sim.iteration_ms
             improved += 1
     return Refinement(best_plan, best_time, last_bound, windows, improved, full, time.perf_counter() - started,
-                      cut_short)
+                      cut_short, last_bound is not None and _split_dominates(plan, costs))
+
+
+def _split_dominates(plan: PipelinePlan, costs: CostTable) -> bool:
+    """Whether the orders that split every backward as `plan` does include a best order of its
+    structure: every backward is split, and each stage's full backward costs at least its B and
+    W together (then a fused backward is never faster, and frees its memory no earlier)."""
+    from octopipe.simulator import stage_costs
+
+    if len(plan.split_backward()) < plan.num_stages * plan.num_microbatches:
+        return False
+    sc = stage_costs(plan, costs)
+    return all(sc.backward_full[s] >= sc.backward_input[s] + sc.weight[s] - 1e-9 for s in range(plan.num_stages))
 
 
 def _solved_rank(op: Op, begin: int, duration: int, num_stages: int) -> tuple[int, int, int, int, int]:

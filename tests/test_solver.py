@@ -488,3 +488,28 @@ def test_the_bounds_stay_small_on_tables_of_long_layers():
                                                                                 if not mask >> i & 1))
                for mask in range(1 << len(loads)))
     assert bound.lower_ms <= best * (1 + 1e-9) and bound.load_ms >= best * (1 - 1e-9)
+
+
+def test_the_whole_order_bound_covers_fused_backwards_only_where_splitting_never_costs_more():
+    # CP-SAT's whole-order model keeps the plan's split of each backward into B and W; its bound
+    # is for those orders. Where a full backward is cheaper than B and W apart (2.5 ms against
+    # 2 + 2 here), a fused order of the same structure beats it, so the report must not use it
+    from octopipe import schedules
+
+    cheap_fused = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=4.0, backward_weight_ms=2.0,
+                                       backward_full_ms=2.5) for i in range(4)])
+    cluster = ClusterSpec.preset("h100x2")
+    split = schedules.build("zb-h1", cheap_fused, cluster, 4, partition=[0, 2, 4])
+    fused = schedules.build("1f1b", cheap_fused, cluster, 4, partition=[0, 2, 4])
+    refined = refine_order(split, cheap_fused, cluster, work=1.0)
+    assert refined.full_model and refined.lower_bound_ms is not None
+    assert simulate(fused, cheap_fused, cluster).iteration_ms < refined.lower_bound_ms  # a fused order beats it
+    assert not refined.bound_covers_every_order
+    # a full backward costing B and W together: splitting never loses, and the bound covers every order
+    even = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=4.0, backward_weight_ms=2.0) for i in range(4)])
+    refined = refine_order(schedules.build("zb-h1", even, cluster, 4, partition=[0, 2, 4]), even, cluster, work=1.0)
+    assert refined.bound_covers_every_order
+    assert refined.lower_bound_ms <= simulate(schedules.build("1f1b", even, cluster, 4, partition=[0, 2, 4]), even,
+                                              cluster).iteration_ms + 1e-6
+    # a plan with fused backwards: its bound is for fused orders only
+    assert not refine_order(fused, even, cluster, work=1.0).bound_covers_every_order
