@@ -26,7 +26,7 @@ plans no worse than the hint, and proven lower bounds.
 
 Every CP-SAT model runs one worker with a deterministic-time budget, so results are the same on
 every run and machine unless a wall-clock safety limit fires first (reported as cut short).
-Times are integers in `TICKS_PER_MS` units inside the models (`BOUND_TICKS_PER_MS` in the
+Times are integers in `TICKS_PER_MS` units inside the models (`_bound_scale` ticks in the
 bounds), rounded so that plans stay feasible and bounds stay valid.
 """
 
@@ -81,9 +81,16 @@ MAX_BOUND_TICKS = 10**6
 model's analytic costs on a CPU cluster): the bounds' subset-sum bitsets are as long as the total."""
 
 
+MIN_BOUND_TICKS = 10**5
+"""Finer where a table's total load would span fewer ticks (layers of microseconds: a tiny model
+on a CPU), so that rounding stays under 1e-5 of the total per layer and "exact" means exact."""
+
+
 def _bound_scale(values: Sequence[float]) -> float:
-    """Ticks per ms for the bounds of layer loads `values`."""
-    return min(float(BOUND_TICKS_PER_MS), MAX_BOUND_TICKS / max(sum(values), 1e-9))
+    """Ticks per ms for the bounds of layer loads `values`: `BOUND_TICKS_PER_MS`, finer so that
+    the total spans at least `MIN_BOUND_TICKS`, coarser so that it spans at most `MAX_BOUND_TICKS`."""
+    total = max(sum(values), 1e-9)
+    return min(max(float(BOUND_TICKS_PER_MS), MIN_BOUND_TICKS / total), MAX_BOUND_TICKS / total)
 
 
 @dataclass(frozen=True)
