@@ -259,8 +259,9 @@ def list_schedule(
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
     # a recomputing stage's B takes its activations back at its start: a forward must leave room
-    # for the largest such B on its device
-    regrow = [max((activation[s] - held[s] for s in stages_of[d]), default=0.0) for d in range(num_devices)]
+    # for the largest such B on its device (none where every stage holds at least its activations
+    # from F to B: a selective stage can hold more, its inputs and outputs beside what it keeps)
+    regrow = [max([0.0] + [activation[s] - held[s] for s in stages_of[d]]) for d in range(num_devices)]
     # W ops a stage may keep waiting: a global limit, or (zero-bubble H1 style) as many as its
     # device's rank in the pipeline, so the devices that finish last keep W for their drain
     rank_of = sorted(range(num_devices), key=lambda d: (stages_of[d][0] if stages_of[d] else num_stages, d))

@@ -137,6 +137,25 @@ def test_analytic_selective_bytes_are_what_the_selective_checkpoint_keeps(name):
         assert priced <= measured <= priced * 1.1 + 4096, (layer_name, priced, measured)
 
 
+@pytest.mark.parametrize("depth_first", [False, True])
+def test_list_schedule_keeps_a_selective_stage_that_holds_more_than_its_activations_within_budget(depth_first):
+    # stage 0 keeps nothing of its own but holds the output it sent (1 MiB) from F to B: more
+    # than its activation bytes (0). The scheduler's room for a recomputing B's regrowth went
+    # negative there and let a second F in over a budget that holds one
+    from octopipe.tuner import Policy, Structure, list_schedule
+
+    costs = CostTable([LayerCost("l0", forward_ms=1.0, backward_ms=2.0, activation_bytes=0, output_bytes=MiB,
+                                 selective_activation_bytes=0, selective_recompute_ms=0.1),
+                       LayerCost("l1", forward_ms=1.0, backward_ms=2.0, activation_bytes=8 * MiB, output_bytes=MiB,
+                                 selective_activation_bytes=4 * MiB, selective_recompute_ms=0.1)])
+    cluster = ClusterSpec.preset("h100x2")
+    structure = Structure((0, 1, 2), (0, 1), 2, selective=(True, False))
+    budget = [1.5 * MiB, 16 * MiB]
+    plan = list_schedule(structure, costs, cluster, 4, Policy(depth_first=depth_first, roundtrip_caps=False), budget)
+    peaks = simulate(plan, costs, cluster).peak_activation_bytes
+    assert all(peak <= room for peak, room in zip(peaks, budget)), peaks
+
+
 def test_the_search_recomputes_selectively_where_it_is_cheaper_than_recomputing_everything():
     # 8 layers on 4 devices under a tight activation limit: selective recomputation keeps a
     # quarter of the activations for an eighth of a forward, so it beats full recomputation
