@@ -32,6 +32,7 @@ from octopipe.solver import (
 )
 from octopipe.tuner import (
     RUNNER_UP_MARGIN,
+    Candidate,
     Policy,
     Structure,
     TuneResult,
@@ -201,35 +202,34 @@ def plan(
              f"work; {tuned.ruled_out} moves ruled out unscheduled by the order bound); best from {tuned.best.origin}"]
     cut_short = tuned.cut_short
 
-    # 4. CP-SAT over the tuner's structure, hinted with its order
+    # 4. CP-SAT over the tuner's structure, hinted with its order; where recomputation was tried
+    #    and won, over the best plan without it too (what recompute=False refines), so allowing
+    #    recomputation never ends slower than forbidding it
     refinement = None
     if solver:
         clock = time.perf_counter()
-        remaining = time_limit_s - (time.perf_counter() - started)
-        if remaining > 0.5:
+        starts = [tuned.best] + ([tuned.plain] if tuned.plain is not None and tuned.plain.plan is not tuned.best.plan
+                                 else [])
+        for index, start in enumerate(starts):
+            remaining = time_limit_s - (time.perf_counter() - started)
+            if remaining <= 0.5:
+                notes.append("solver: skipped, no time left" if index == 0 else
+                             "solver: no time left for the best plan without recomputation")
+                cut_short = True
+                break
             if say:
-                say(f"CP-SAT refinement ({remaining:.0f}s left)")
-            room = _activation_room(simulate(best_plan, costs, cluster, memory=memory), activation_budget, memory_limit)
-            work = SOLVER_WORK * effort
-            if best_plan.num_ops() <= WHOLE_ORDER_OPS:
-                # where no order of this structure can be much faster, the short model suffices;
-                # where the bound leaves room, the whole-order model gets more work to find it
-                bound_ms = structure_order_bound(Structure.of(best_plan), costs, num_microbatches, room, memory)
-                ahead = tuned.best.iteration_ms / bound_ms - 1 if bound_ms > 0 else 0.0
-                if ahead > ORDER_ROOM:
-                    work = WHOLE_ORDER_WORK * effort
-                    notes.append(f"solver: the tuner's order is {ahead:.1%} above its structure's order bound: "
-                                 f"CP-SAT given {WHOLE_ORDER_WORK / SOLVER_WORK:.0f}x the work on the whole order")
-            refinement = refine_order(best_plan, costs, cluster, work=work, max_windows=4,
-                                      time_limit_s=remaining - 0.2, activation_budget=room, memory=memory, seed=seed)
-            cut_short = cut_short or refinement.cut_short
-            if refinement.iteration_ms < tuned.best.iteration_ms - 1e-9:
-                best_plan, origin = refinement.plan, "solver"
-            mode = "the whole op order" if refinement.full_model else f"{refinement.windows} neighbourhoods (time windows of ops)"
-            notes.append(f"solver: CP-SAT over {mode}, {refinement.improved_windows} improved the plan")
-        else:
-            notes.append("solver: skipped, no time left")
-            cut_short = True
+                say(f"CP-SAT refinement{' of the best plan without recomputation' if index else ''} "
+                    f"({remaining:.0f}s left)")
+            result = _refine(start, costs, cluster, num_microbatches, remaining, activation_budget, memory_limit,
+                             memory, effort, seed, notes)
+            cut_short = cut_short or result.cut_short
+            mode = "the whole op order" if result.full_model else f"{result.windows} neighbourhoods (time windows of ops)"
+            notes.append(f"solver: CP-SAT over {mode}{' of the best plan without recomputation' if index else ''}, "
+                         f"{result.improved_windows} improved the plan")
+            if refinement is None or result.iteration_ms < refinement.iteration_ms - 1e-9:
+                refinement = result
+        if refinement is not None and refinement.iteration_ms < tuned.best.iteration_ms - 1e-9:
+            best_plan, origin = refinement.plan, "solver"
         stage_seconds["solver"] = time.perf_counter() - clock
 
     # 5. report
@@ -291,6 +291,25 @@ def plan(
                      "PlanResult.runners_up): measure them beside this plan where the costs are that uncertain "
                      "(octopipe train --candidates)")
     return PlanResult(best_plan, report, final, costs, tuple(plan_ for _, plan_ in runners_up))
+
+
+def _refine(start: Candidate, costs: CostTable, cluster: ClusterSpec, num_microbatches: int, remaining: float,
+            activation_budget: float | None, memory_limit: float, memory: MemoryModel, effort: float, seed: int,
+            notes: list[str]) -> Refinement:
+    """CP-SAT over the op order of the tuner's plan `start`: where no order of its structure can be
+    much faster the short model suffices; where the order bound leaves room, the whole-order model
+    gets more work to find it."""
+    room = _activation_room(simulate(start.plan, costs, cluster, memory=memory), activation_budget, memory_limit)
+    work = SOLVER_WORK * effort
+    if start.plan.num_ops() <= WHOLE_ORDER_OPS:
+        bound_ms = structure_order_bound(Structure.of(start.plan), costs, num_microbatches, room, memory)
+        ahead = start.iteration_ms / bound_ms - 1 if bound_ms > 0 else 0.0
+        if ahead > ORDER_ROOM:
+            work = WHOLE_ORDER_WORK * effort
+            notes.append(f"solver: the tuner's order is {ahead:.1%} above its structure's order bound: "
+                         f"CP-SAT given {WHOLE_ORDER_WORK / SOLVER_WORK:.0f}x the work on the whole order")
+    return refine_order(start.plan, costs, cluster, work=work, max_windows=4, time_limit_s=remaining - 0.2,
+                        activation_budget=room, memory=memory, seed=seed)
 
 
 def _order_bound(chosen: PipelinePlan, costs: CostTable, sim: SimResult, activation_limit: float | None,

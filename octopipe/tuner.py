@@ -73,8 +73,15 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
-from octopipe.simulator import (LinkQueues, MemoryModel, StageCosts, iteration_time, message_host_ms, simulate,
-                                static_memory)
+from octopipe.simulator import (
+    LinkQueues,
+    MemoryModel,
+    StageCosts,
+    iteration_time,
+    message_host_ms,
+    simulate,
+    static_memory,
+)
 
 RUNNER_UP_MARGIN = 0.10
 """How much slower than the chosen plan (predicted) a runner-up may be: about the simulator's
@@ -571,6 +578,9 @@ class TuneResult:
     ruled_out: int = 0
     """Hill-climbing moves skipped unscheduled: `solver.order_bound` proved no order of theirs
     could be kept (see `RUNNER_UP_MARGIN`)."""
+    plain: Candidate | None = None
+    """Where recomputation was tried: the best plan of the search without it that ran beside
+    (what `recompute=False` returns), None otherwise or when no plan fits without it."""
 
 
 class _Search:
@@ -608,6 +618,8 @@ class _Search:
         self.seen_orders: set[int] = set()
         self.ruled_out = 0
         """Moves skipped because no order of theirs could be kept (`ruled_out`)."""
+        self.plain_best: Candidate | None = None
+        """The best plan of the search without recomputation run beside this one, if any."""
 
     def exhausted(self) -> bool:
         """True when the work budget or the wall clock is spent. The search is one fixed sequence
@@ -991,7 +1003,7 @@ def tune(
     winner = plan_shape(search.best.structure)
     others = sorted((c for shape, c in search.best_of_shape.items() if shape != winner), key=lambda c: c.iteration_ms)
     return TuneResult(search.best, search.history, search.evaluations, search.work + search.work_plain, search.cut_short,
-                      time.perf_counter() - started, len(unique), tuple(others), search.ruled_out)
+                      time.perf_counter() - started, len(unique), tuple(others), search.ruled_out, search.plain_best)
 
 
 def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
@@ -1017,6 +1029,7 @@ def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, n
     for other in (plain.best, *plain.runners_up):
         search.keep_if_best_of_shape(other)
     best = plain.best
+    search.plain_best = best
     search.evaluate(best.plan, f"{best.origin} (without recomputation)", best.structure, best.policy)
 
 
