@@ -114,6 +114,10 @@ def plan(
     job gets the same one. time_limit_s is a safety net on top: when it runs out first, the best
     valid plan found is returned and the report says the search was cut short (the plan may
     then differ between runs). Progress goes to stderr unless `quiet` (or to `progress`).
+    InfeasibleError: limits no plan can meet (a layer's state and activations over the memory
+    limit, its activations over the activation limit, more state than the devices hold), raised
+    before the search; or limits no contiguous one-stage-per-device split meets and the search
+    found no plan for either. Its message says what always works and what to change.
 
     solver: refine the tuner's op order with CP-SAT (`solver.refine_order`, hinted with it, never
     worse): the whole order as one model where the plan has at most `solver.WHOLE_ORDER_OPS` ops
@@ -169,10 +173,12 @@ def plan(
     baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory) for name, plan_ in baseline_plans.items()}
     stage_seconds["baselines"] = time.perf_counter() - clock
     activation_budget = _activation_limit(activation_limit, baseline_sims)
-    fallback_bounds = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget, memory)
+    fallback_bounds, infeasible = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget,
+                                                         memory)
     start_plans = dict(baseline_plans)
-    start_plans["one microbatch in flight"] = _low_memory_plan(costs, cluster, num_microbatches, fallback_bounds, p,
-                                                               memory)
+    if fallback_bounds is not None:
+        start_plans["one microbatch in flight"] = _low_memory_plan(costs, cluster, num_microbatches, fallback_bounds,
+                                                                   p, memory)
 
     # 2. bounds: whole layers per device (exact bin packing), and one microbatch's chain
     clock = time.perf_counter()
@@ -192,10 +198,15 @@ def plan(
     tuner_share = 0.85 if solver else 0.95
     if say:
         say(f"tuning {len(costs)} layers on {p} devices x {num_microbatches} microbatches (limit {time_limit_s:.0f}s)")
-    tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
-                 effort=effort, activation_budget=[activation_budget] * p if activation_budget is not None else None,
-                 memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans, progress=say,
-                 recompute=recompute)
+    try:
+        tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
+                     effort=effort, activation_budget=[activation_budget] * p if activation_budget is not None else None,
+                     memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans,
+                     progress=say, recompute=recompute)
+    except PlanError as error:
+        if fallback_bounds is None:  # no split was known to fit: the limits may be out of reach
+            raise InfeasibleError(infeasible) from error
+        raise
     stage_seconds["tuner"] = time.perf_counter() - clock
     best_plan, origin = tuned.best.plan, "tuner"
     notes = [f"tuner: {tuned.structures} structures, {tuned.evaluations} plans simulated ({tuned.work} op-steps of "
@@ -508,37 +519,52 @@ def _low_memory_plan(costs: CostTable, cluster: ClusterSpec, num_microbatches: i
 
 
 def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches: int, memory_limit: float,
-                           activation_budget: float | None, memory: MemoryModel) -> tuple[int, ...]:
+                           activation_budget: float | None, memory: MemoryModel) -> tuple[tuple[int, ...] | None, str]:
     """Raise InfeasibleError, with the least memory that would work and what to change, when no
-    plan can meet the limits; else return a split that a one-microbatch-at-a-time plan fits."""
+    plan can meet the limits: a layer's state and its activations (all present during its
+    backward, recomputed or not) over the memory limit, its activations over the activation limit,
+    or more state than the devices hold together. Otherwise return a split that a
+    one-microbatch-at-a-time plan fits (None when no contiguous split, one stage per device, does:
+    a V placement or recomputation may still fit, which only the search can tell), and the error
+    to raise if the search finds nothing."""
     bounds, need_memory, need_activation = _least_need(costs, num_devices, memory, memory_limit, activation_budget)
-    if bounds is not None:
-        return bounds
+    static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
+    shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
+    least_memory = max(max(a + b for a, b in zip(static, costs.activation)), (sum(static) - shared) / num_devices)
+    least_activation = max(costs.activation)
     if need_memory > memory_limit:
         devices = _devices_to_fit(costs, memory, memory_limit)
         more = (f"use {devices} devices" if devices is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)")
-        raise InfeasibleError(
+        message = (
             f"no plan fits {_size(memory_limit)} per device: even with the layers split evenly over "
             f"{num_devices} devices and one microbatch in flight, the busiest device needs {_size(need_memory)} "
             f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
             f"memory limit to {_size(need_memory, exact=True)}, {more}, shard the optimizer state, or use a smaller "
-            "microbatch"
-        )
-    if activation_budget is not None and need_activation > activation_budget:
-        raise InfeasibleError(
+            "microbatch")
+        if activation_budget is not None and need_activation > activation_budget:
+            message += (f"; the activation limit binds too: raise it to {_size(need_activation, exact=True)}, which "
+                        f"always works (to at least {_size(least_activation)} for any plan to fit)")
+    elif activation_budget is not None and need_activation > activation_budget:
+        message = (
             f"activation limit {_size(activation_budget)} per device is below what one microbatch in flight needs "
-            f"on the busiest of {num_devices} devices with the layers split evenly ({_size(need_activation)}; the "
-            f"largest layer alone holds {_size(max(costs.activation))}). Raise activation_limit to at least "
-            f"{_size(need_activation, exact=True)}, use more devices (more, shorter stages), or use a smaller microbatch"
-        )
-    raise InfeasibleError(
-        f"no plan fits both limits ({_size(memory_limit)} per device, activations "
-        f"{_size(activation_budget or 0)}): one at a time each holds for a balanced split ({_size(need_memory)} "
-        f"and {_size(need_activation)}) but no split of the layers over {num_devices} devices meets both at once. "
-        "Raise either limit, use more devices, or use a smaller microbatch"
-    )
+            f"on the busiest of {num_devices} devices with the layers split evenly ({_size(need_activation)}), and "
+            f"no plan holds less than the largest layer's {_size(least_activation)} (its backward needs all of "
+            f"them, recomputed or not). Raise activation_limit to {_size(need_activation, exact=True)}, which "
+            f"always works (to at least {_size(least_activation)} for any plan to fit), use more devices (more, "
+            "shorter stages), or use a smaller microbatch")
+    else:
+        message = (
+            f"no plan fits both limits ({_size(memory_limit)} per device, activations "
+            f"{_size(activation_budget or 0)}): one at a time each holds for a balanced split ({_size(need_memory)} "
+            f"and {_size(need_activation)}) but no split of the layers over {num_devices} devices meets both at "
+            "once. Raise either limit, use more devices, or use a smaller microbatch")
+    if bounds is not None:
+        return bounds, message
+    if memory_limit < least_memory or (activation_budget is not None and activation_budget < least_activation):
+        raise InfeasibleError(message)
+    return None, f"the search found no plan within the limits: {message}"
 
 
 def _row(name: str, kind: str, sim: SimResult, activation_budget: float | None, memory_limit: float | None) -> PlanRow:

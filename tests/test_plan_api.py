@@ -230,8 +230,53 @@ def test_memory_limit_no_plan_can_meet_says_the_least_that_works():
 def test_activation_limit_below_one_microbatch_is_infeasible_with_the_fix():
     costs = heterogeneous(2)
     cluster = ClusterSpec.preset("h100x4")
-    with pytest.raises(InfeasibleError, match="Raise activation_limit to at least"):
+    with pytest.raises(InfeasibleError, match="Raise activation_limit to .* which always works"):
         octopipe.plan(costs, cluster, 8, activation_limit=2**20, quiet=True)
+
+
+@pytest.mark.parametrize("activations, limit, recompute", [
+    ([10, 10, 1, 1], 11.5, False),  # a V placement (layers 0 and 3 on device 0) holds 11 MiB at most
+    ([10, 10, 10, 10], 12, True),  # every stage recomputing holds its inputs and outputs, then one layer
+])
+def test_limits_only_a_v_placement_or_recomputation_meets_are_searched_not_refused(activations, limit, recompute):
+    # no contiguous split with one stage per device fits these limits, which plan() once took for
+    # "no plan fits" (and named a least limit that was not the least)
+    mib = 2**20
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=a * mib,
+                                 output_bytes=mib // 4) for i, a in enumerate(activations)])
+    cluster = ClusterSpec.preset("h100x2")
+    result = octopipe.plan(costs, cluster, 1, activation_limit=int(limit * mib), quiet=True, time_limit_s=10,
+                           effort=0.05, recompute=recompute)
+    assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= limit * mib
+    check_result(result, costs, cluster)
+
+
+def test_limits_the_search_cannot_meet_raise_infeasible_with_what_works():
+    # four 10 MiB layers on 2 devices without recomputation: a device holds two layers' activations
+    # at once in every plan, so 15 MiB is out of reach, though over the largest layer's 10 MiB
+    mib = 2**20
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=10 * mib,
+                                 output_bytes=mib // 4) for i in range(4)])
+    with pytest.raises(InfeasibleError, match=r"the search found no plan within the limits: .*Raise activation_limit "
+                                              r"to 20\.0 MiB \(20971520 bytes\), which always works \(to at least 10\.0 MiB"):
+        octopipe.plan(costs, ClusterSpec.preset("h100x2"), 2, activation_limit=15 * mib, quiet=True, time_limit_s=10,
+                      effort=0.05, recompute=False)
+
+
+def test_infeasible_names_every_limit_that_binds_and_its_fix_works():
+    # 4 layers of 2 GiB state and 1 GiB activations on 2 devices: 3.5 GiB cannot hold half the
+    # state, and 1.5 GiB of activations is under an even split's 2 GiB; the message names both
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=GiB, output_bytes=2**20,
+                                 param_bytes=2**28) for i in range(4)])
+    cluster = ClusterSpec.preset("h100x2")
+    with pytest.raises(InfeasibleError) as error:
+        octopipe.plan(costs, cluster, 4, memory_limit_bytes=3.5 * GiB, activation_limit=1.5 * GiB, quiet=True)
+    message = str(error.value)
+    assert "Raise the memory limit to 6.00 GiB" in message and "the activation limit binds too: raise it to 2.00 GiB" \
+        in message
+    result = octopipe.plan(costs, cluster, 4, memory_limit_bytes=6 * GiB, activation_limit=2 * GiB, quiet=True,
+                           effort=0.05)
+    check_result(result, costs, cluster, memory_limit=6 * GiB)
 
 
 def test_tight_memory_limit_still_gets_a_plan_that_fits():
@@ -428,11 +473,13 @@ def test_a_plan_for_one_data_parallel_replica_prices_its_gradient_all_reduces():
 def test_plan_data_parallel_keeps_the_replica_count_with_the_fastest_step():
     costs = heterogeneous(6, num_layers=12, params=2**30)  # 1 GiB of parameters a layer, more in gradients and state
     cluster = ClusterSpec.preset("h100x8")
-    options = dict(quiet=True, effort=0.02, solver=False, memory_limit_bytes=100 * GiB)
+    options = dict(quiet=True, effort=0.02, solver=False, memory_limit_bytes=100 * GiB, recompute=False)
     result = octopipe.plan_data_parallel(costs, cluster, 16, **options)
     assert [row.data_parallel for row in result.tried] == [1, 2, 4, 8]
     assert [(row.num_devices, row.num_microbatches) for row in result.tried] == [(8, 16), (4, 8), (2, 4), (1, 2)]
-    # one device cannot hold 12 layers' weights, gradients and optimizer state in 100 GiB
+    # one device cannot hold 12 layers' weights, gradients and optimizer state (96 GiB) and a
+    # microbatch's activations in 100 GiB without recomputation (with it, as 12 stages each
+    # recomputing one layer at its B, it can)
     assert result.tried[-1].result is None and "no plan fits" in result.tried[-1].error
     planned = [row for row in result.tried if row.result is not None]
     assert len(planned) >= 2
@@ -443,7 +490,7 @@ def test_plan_data_parallel_keeps_the_replica_count_with_the_fastest_step():
         assert row.step_ms == pytest.approx(alone.report.iteration_ms)
         check_result(row.result, costs, cluster.replica(row.data_parallel), memory_limit=100 * GiB)
     text = str(result)
-    assert f"*{result.data_parallel:>3} x" in text and "no plan: no plan fits" in text
+    assert f"*{result.data_parallel:>3} x" in text and "no plan: the search found no plan" in text
     with pytest.raises(octopipe.ArgumentError, match="no param_bytes"):
         octopipe.plan_data_parallel(heterogeneous(6), cluster, 16, **options)
     with pytest.raises(octopipe.ArgumentError, match="no replica count among"):
