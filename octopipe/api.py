@@ -524,10 +524,12 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     plan can meet the limits: a layer's state and its activations (all present during its
     backward, recomputed or not) over the memory limit, its activations over the activation limit,
     or more state than the devices hold together. Otherwise return a split that a
-    one-microbatch-at-a-time plan fits (None when no contiguous split, one stage per device, does:
-    a V placement or recomputation may still fit, which only the search can tell), and the error
-    to raise if the search finds nothing."""
+    one-microbatch-at-a-time plan fits (and ""), or None when no contiguous split, one stage per
+    device, does (a V placement or recomputation may still fit, which only the search can tell)
+    and the error to raise if the search finds nothing."""
     bounds, need_memory, need_activation = _least_need(costs, num_devices, memory, memory_limit, activation_budget)
+    if bounds is not None:
+        return bounds, ""
     static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
     shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
     least_memory = max(max(a + b for a, b in zip(static, costs.activation)), (sum(static) - shared) / num_devices)
@@ -560,8 +562,6 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
             f"{_size(activation_budget or 0)}): one at a time each holds for a balanced split ({_size(need_memory)} "
             f"and {_size(need_activation)}) but no split of the layers over {num_devices} devices meets both at "
             "once. Raise either limit, use more devices, or use a smaller microbatch")
-    if bounds is not None:
-        return bounds, message
     if memory_limit < least_memory or (activation_budget is not None and activation_budget < least_activation):
         raise InfeasibleError(message)
     return None, f"the search found no plan within the limits: {message}"

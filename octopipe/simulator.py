@@ -788,11 +788,11 @@ def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float
     key = ("tied_holders", id(costs))
     cached = plan._cache.get(key)
     if cached is None or cached[0] is not costs:
-        cached = plan._cache[key] = (costs, tied_holders(costs, plan.boundaries, plan.placement))
+        cached = plan._cache[key] = (costs, _tied_counts(costs, plan.boundaries, plan.placement))
     return cached[1]
 
 
-def tied_holders(costs: CostTable, boundaries: Sequence[int], placement: Sequence[int]
+def _tied_counts(costs: CostTable, boundaries: Sequence[int], placement: Sequence[int]
                  ) -> list[tuple[str, float, dict[int, int]]]:
     """Per tied parameter of `costs`: (name, bytes, {device: how many of its layers that device
     holds}) under the partition `boundaries` and the stage -> device map `placement`."""
@@ -816,7 +816,7 @@ def static_memory(costs: CostTable, boundaries: Sequence[int], placement: Sequen
     stage's parameters on its device, a tied parameter once per device however many of its layers
     that device holds."""
     params = [costs.range_sum("params", start, end) for start, end in zip(boundaries[:-1], boundaries[1:])]
-    return _static_bytes(params, placement, tied_holders(costs, boundaries, placement), num_devices, memory)
+    return _static_bytes(params, placement, _tied_counts(costs, boundaries, placement), num_devices, memory)
 
 
 def _static_bytes(params: Sequence[float], placement: Sequence[int], tied: list[tuple[str, float, dict[int, int]]],
