@@ -68,13 +68,17 @@ def test_balance_bound_is_the_exact_optimum_on_small_tables(loads, p):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(1, 99), min_size=2, max_size=7), st.integers(2, 3))
 @example([93, 84, 37], 2)  # at 0.01 ms ticks these rounded to 3, 3 and 1, and "exact" was 7% over the optimum
+@example([1, 1, 1, 1, 91, 99, 99], 3)  # the lower bound 1.005e-4 below: rounding, then its slack
 def test_balance_bound_is_exact_on_layers_of_microseconds(loads, p):
     costs = table([x / 10**4 for x in loads], [2 * x / 10**4 for x in loads])
     bound = balance_bound(costs, p)
     exact = brute_balance(layer_loads(costs), p)
     assert bound.optimal
     assert bound.load_ms == pytest.approx(exact, rel=1e-6)
-    assert exact * (1 - 1e-4) <= bound.lower_ms <= exact + 1e-12
+    # proven on loads rounded to ticks of at most a 1e5th of the total, less half a tick per layer
+    # for that rounding: at most a tick per layer below
+    tick = sum(layer_loads(costs)) / 10**5
+    assert exact - len(loads) * tick <= bound.lower_ms <= exact + 1e-12
 
 
 def test_balance_bound_proves_near_equal_layers_on_many_devices_quickly():
