@@ -42,6 +42,7 @@ Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a fe
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Mapping, Sequence
@@ -796,15 +797,11 @@ def _tied_counts(costs: CostTable, boundaries: Sequence[int], placement: Sequenc
                  ) -> list[tuple[str, float, dict[int, int]]]:
     """Per tied parameter of `costs`: (name, bytes, {device: how many of its layers that device
     holds}) under the partition `boundaries` and the stage -> device map `placement`."""
-    stage_of = [0] * (boundaries[-1] if boundaries else 0)
-    for stage, (start, end) in enumerate(zip(boundaries[:-1], boundaries[1:])):
-        for layer in range(start, end):
-            stage_of[layer] = stage
     holders = []
     for tied in costs.tied:
         counts: dict[int, int] = {}
         for layer in tied.layers:
-            device = placement[stage_of[layer]]
+            device = placement[bisect.bisect_right(boundaries, layer) - 1]
             counts[device] = counts.get(device, 0) + 1
         holders.append((tied.name, float(tied.bytes), counts))
     return holders

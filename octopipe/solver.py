@@ -654,7 +654,8 @@ def balanced_structure(
 
 WHOLE_ORDER_OPS = 160
 """`refine_order` models the whole op order of a plan with at most this many ops as one CP-SAT
-model (whose bound then holds for every order of the structure); larger plans in windows."""
+model (whose bound then holds for every order that splits the backwards as the plan does:
+`Refinement.lower_bound_ms`); larger plans in windows."""
 
 
 @dataclass
@@ -697,7 +698,8 @@ def refine_order(
     against the exact budget), objective = iteration time.
     The hint is the plan's own schedule, re-timed in the model's integer ticks so it is feasible.
     When the plan has at most `max_window_ops` ops the whole order is one model (and its bound
-    holds for every order of the structure); otherwise each of up to `max_windows` models frees
+    holds for every order that splits the backwards as the plan does, and for every order of the
+    structure where `bound_covers_every_order`); otherwise each of up to `max_windows` models frees
     a window of ops (a time slice of the current best around its largest idle gap; later windows
     move on) while every other op keeps its place in its device's order. Each candidate is
     re-simulated by the simulator (which also queues transfers on busy links) and kept only when
