@@ -142,3 +142,28 @@ def test_a_batch_without_any_weight_is_refused_at_step():
         engine.step((tokens,), torch.full_like(target, IGNORE))
     with pytest.raises(ArgumentError, match="no target"):
         engine.step((tokens,))
+
+
+def test_a_model_built_on_the_meta_device_takes_a_loss_weight(tmp_path):
+    # a meta example target holds no values to count: compile checks the function's shape of
+    # answer only, and the engine counts the real batch's tokens
+    plain_loss, plain_grads = _plain()
+    torch.manual_seed(0)
+    path = tmp_path / "plain.pt"
+    torch.save(TinyLM().state_dict(), path)
+    tokens, target = _batch()
+    with torch.device("meta"):
+        model = TinyLM()
+    meta_tokens, meta_target = tokens.to("meta"), target.to("meta")
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=1), example_inputs=(meta_tokens,),
+                            example_target=meta_target, loss_fn=token_loss, num_microbatches=4, schedule="1f1b",
+                            loss_weight=real_tokens, quiet=True)
+    engine = pipe.engine(0, init=str(path))
+    assert engine.step((tokens,), target) == pytest.approx(plain_loss, rel=1e-5)
+    assert_grads_close({name: p.grad for name, p in engine.named_parameters()}, plain_grads)
+    with torch.device("meta"):
+        model = TinyLM()  # the engine gave the first one real tensors
+    with pytest.raises(ArgumentError, match="must return a number"):
+        octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=1), example_inputs=(meta_tokens,),
+                         example_target=meta_target, loss_fn=token_loss, num_microbatches=4, schedule="1f1b",
+                         loss_weight=lambda t: t != IGNORE, quiet=True)
