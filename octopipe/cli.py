@@ -405,6 +405,10 @@ def _costs_from(args: argparse.Namespace, cluster):
 
     model, inputs, target, loss_fn = _load_model(args)
     if args.profile:
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise OctopipeError(f"--profile: the model ({args.model}{' --size paper' if args.size == 'paper' else ''}) "
+                                "is built on the meta device, which holds no data to time; drop --profile (analytic "
+                                "costs) or profile a real model (--size tiny)")
         model, inputs, target = _on_profiling_device(model, inputs, target)
     graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
     micro = microbatch(inputs, args.microbatches)

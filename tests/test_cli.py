@@ -830,3 +830,12 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
     run = subprocess.run([sys.executable, "-m", "octopipe", "plan", "--help"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0 and "--effort" in run.stdout
+
+
+def test_profile_of_a_model_on_the_meta_device_is_bad_input(capsys):
+    # a paper-size built-in is built on the meta device: nothing to time, and the user's to fix (exit 1,
+    # not the "a worker failed" exit 5)
+    assert main(["plan", "--model", "llama", "--size", "paper", "--profile", "--devices", "4",
+                 "--microbatches", "8", "--quiet"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "--profile" in err and "meta device" in err and "drop --profile" in err
