@@ -187,7 +187,7 @@ def balance_bound(costs: CostTable, num_devices: int, *, node_budget: int = 200_
             if _configuration_lp_needs_more(items, capacity, p, budget, deadline):
                 lower, method = upper, "configuration LP"
                 break
-            found = _pack(items, p, capacity, budget)
+            found = _pack(items, p, capacity, budget, deadline)
             if found is None:
                 lower, method = upper, "search"
                 break
@@ -356,12 +356,27 @@ def _lp_lower_bound(items: Sequence[int], p: int, lower: int, upper: int, budget
     return low
 
 
-def _pack(items: Sequence[int], p: int, capacity: int, budget: list[int]) -> list[int] | None:
+def _pack(items: Sequence[int], p: int, capacity: int, budget: list[int], deadline: float | None = None
+          ) -> list[int] | None:
     """An assignment of items to p bins of `capacity`, or None when none exists (exact search;
-    raises _BudgetExhausted when the node budget runs out)."""
+    raises _BudgetExhausted when the node budget or the time runs out)."""
     if len(items) <= 4 * p:
-        return _pack_bin_completion(items, p, capacity, budget)
-    return _pack_loads(items, p, capacity, budget)
+        return _pack_bin_completion(items, p, capacity, budget, deadline)
+    return _pack_loads(items, p, capacity, budget, deadline)
+
+
+DEADLINE_EVERY = 64
+"""The exact searches look at the clock every this many nodes (a bin-completion node can take a
+millisecond: it enumerates the completions of a bin)."""
+
+
+def _spend(budget: list[int], deadline: float | None) -> None:
+    """One search node: raises _BudgetExhausted when the node budget, or the wall-clock
+    `deadline` (a safety net, looked at every DEADLINE_EVERY nodes), runs out."""
+    budget[0] -= 1
+    if budget[0] < 0 or (deadline is not None and budget[0] % DEADLINE_EVERY == 0
+                         and time.perf_counter() > deadline):
+        raise _BudgetExhausted
 
 
 def _running_sums(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -374,7 +389,8 @@ def _running_sums(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
     return prefix, smallest
 
 
-def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int]) -> list[int] | None:
+def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int], deadline: float | None = None
+                ) -> list[int] | None:
     """Branch and bound: items largest first onto devices (one branch per distinct load),
     pruned by the room and the item count the remaining items need; failed (depth, sorted
     loads) states are remembered."""
@@ -391,9 +407,7 @@ def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int]) 
         key = (i, tuple(sorted(loads)))
         if key in failed:
             return False
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise _BudgetExhausted
+        _spend(budget, deadline)
         left, room, count = n - i, 0, 0
         for load in loads:
             free = capacity - load
@@ -425,7 +439,8 @@ def _pack_loads(items: Sequence[int], p: int, capacity: int, budget: list[int]) 
     return assignment
 
 
-def _pack_bin_completion(items: Sequence[int], p: int, capacity: int, budget: list[int]) -> list[int] | None:
+def _pack_bin_completion(items: Sequence[int], p: int, capacity: int, budget: list[int], deadline: float | None = None
+                         ) -> list[int] | None:
     """Bin completion (Korf): fill one bin at a time with the largest remaining item and an
     undominated completion of it, pruned by room, item counts and Martello-Toth's L2 bound;
     failed remaining sets are remembered."""
@@ -445,9 +460,7 @@ def _pack_bin_completion(items: Sequence[int], p: int, capacity: int, budget: li
         key = (tuple(sizes), k)
         if key in failed:
             return False
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise _BudgetExhausted
+        _spend(budget, deadline)
         fit, count = 0, 0
         for size in reversed(sizes):
             if fit + size > capacity:
@@ -458,7 +471,7 @@ def _pack_bin_completion(items: Sequence[int], p: int, capacity: int, budget: li
             failed.add(key)
             return False
         first, rest = remaining[0], remaining[1:]
-        for chosen in _completions([items[i] for i in rest], capacity - items[first]):
+        for chosen in _completions([items[i] for i in rest], capacity - items[first], budget, deadline):
             picked = set(chosen)
             bins.append((first, *(rest[j] for j in chosen)))
             if search(tuple(i for j, i in enumerate(rest) if j not in picked), k - 1):
@@ -477,10 +490,12 @@ def _pack_bin_completion(items: Sequence[int], p: int, capacity: int, budget: li
     return assignment
 
 
-def _completions(rest: Sequence[int], room: int) -> list[tuple[int, ...]]:
+def _completions(rest: Sequence[int], room: int, budget: list[int], deadline: float | None) -> list[tuple[int, ...]]:
     """Undominated sets of positions of `rest` (sizes, non-increasing) that fit `room`, fullest
     first. A set is dominated when an item left out fits in its place together with the room
-    left (maximality), or could replace a subset of it no larger than itself."""
+    left (maximality), or could replace a subset of it no larger than itself. Each set looked at
+    is a node of the search's budget (many small items can fit a room in exponentially many
+    ways)."""
     n = len(rest)
     found: list[tuple[int, ...]] = []
     chosen: list[int] = []
@@ -507,6 +522,7 @@ def _completions(rest: Sequence[int], room: int) -> list[tuple[int, ...]]:
         return True
 
     def grow(start: int, room_left: int) -> None:
+        _spend(budget, deadline)
         previous = None
         for j in range(start, n):
             size = rest[j]

@@ -4,12 +4,14 @@ contracts (valid plans, never worse than the hint, deterministic, bounds are bou
 import itertools
 import math
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
+from octopipe.api import plan as octopipe_plan
 from octopipe.ir.plan import Op, OpKind
 from octopipe.simulator import MemoryModel, StageCosts, iteration_time, simulate
 from octopipe.solver import (
@@ -105,6 +107,42 @@ def test_balance_bound_cut_short_keeps_a_valid_lower_bound():
     bound = balance_bound(costs, 5, node_budget=1, lp_rounds=1)
     exact = balance_bound(costs, 5)
     assert bound.lower_ms <= exact.load_ms + 1e-9 <= bound.load_ms + 1e-9
+
+
+
+@pytest.mark.timeout(60)
+def test_balance_bound_work_is_bounded_where_bins_have_many_completions():
+    # 39 near-equal layers and a tiny one on 10 devices: each bin-completion node enumerates the
+    # ways to fill a bin (about 140 sets here, exponentially many with many small layers); the
+    # node budget counts them, and the time limit is looked at inside the search (both once ran
+    # for minutes: the budget counted bins only, the clock was read between searches)
+    rng = random.Random(10)
+    loads = [rng.uniform(33, 42) for _ in range(39)] + [0.2]
+    costs = table([x / 3 for x in loads], [2 * x / 3 for x in loads])
+    exact = balance_bound(costs, 10)
+    assert exact.lower_ms <= exact.load_ms
+    assert sum(loads) / 10 <= exact.lower_ms + 1e-9
+    for limit in (0.05, 0.5):
+        started = time.perf_counter()
+        bound = balance_bound(costs, 10, node_budget=10**9, time_limit_s=limit)
+        assert time.perf_counter() - started < limit + 5  # the clock is read every few nodes
+        assert bound.lower_ms <= exact.load_ms + 1e-9 and exact.lower_ms <= bound.load_ms + 1e-9
+    # many small layers beside two big ones: a bin's completions number 2^38 unless charged
+    small = table([100 / 3, 90 / 3] + [rng.uniform(0.5, 3) / 3 for _ in range(38)],
+                  [200 / 3, 60] + [0.0] * 38)
+    bound = balance_bound(small, 12, time_limit_s=1.0)
+    assert bound.lower_ms <= bound.load_ms
+
+
+@pytest.mark.timeout(120)
+def test_plan_keeps_its_time_limit_where_the_balance_bound_is_hard():
+    rng = random.Random(10)
+    loads = [rng.uniform(33, 42) for _ in range(39)] + [0.2]
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=x / 3, backward_ms=2 * x / 3) for i, x in enumerate(loads)])
+    result = octopipe_plan(costs, ClusterSpec.preset("h100x16", num_devices=10), 8, time_limit_s=2.0, effort=0.02, quiet=True)
+    assert result.report.cut_short
+    assert result.report.stage_seconds["bounds"] < 3  # given a fifth of the limit, or 1 s at least
+    assert result.report.planning_seconds < 20
 
 
 # -- release bound ------------------------------------------------------------------------------
