@@ -469,24 +469,49 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     need_memory = max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, p)))
     need_activation = max(sum(activation[a:b]) for a, b in _pairs(schedules.balanced_boundaries(activation, p)))
     cap = math.inf if activation_budget is None else activation_budget
-    bounds, held, acts = [0], 0.0, 0.0
-    for i in range(len(costs)):
-        if i > bounds[-1] and (held + total[i] > memory_limit or acts + activation[i] > cap):
-            bounds.append(i)
-            held = acts = 0.0
-        held += total[i]
-        acts += activation[i]
-        if held > memory_limit or acts > cap:
-            return None, need_memory, need_activation
-    bounds.append(len(costs))
-    if len(bounds) - 1 > p:
+    found = _contiguous_split(total, activation, p, memory_limit, cap)
+    if found is None:
         return None, need_memory, need_activation
+    bounds = list(found)
     while len(bounds) - 1 < p:  # split the longest stage until every device has one
         widest = max(range(len(bounds) - 1), key=lambda s: (bounds[s + 1] - bounds[s], -s))
         if bounds[widest + 1] - bounds[widest] < 2:
             break
         bounds.insert(widest + 1, (bounds[widest] + bounds[widest + 1]) // 2)
     return tuple(bounds), need_memory, need_activation
+
+
+def _contiguous_split(total: Sequence[float], activation: Sequence[float], p: int, memory_limit: float,
+                      activation_cap: float) -> tuple[int, ...] | None:
+    """The fewest contiguous stages, at most `p`, whose layers' `total` (state and one
+    microbatch's activations) fits `memory_limit` and whose `activation` fits `activation_cap`
+    (greedy: each stage takes layers while both fit, which needs the fewest stages), or None."""
+    bounds, held, acts = [0], 0.0, 0.0
+    for i in range(len(total)):
+        if i > bounds[-1] and (held + total[i] > memory_limit or acts + activation[i] > activation_cap):
+            bounds.append(i)
+            held = acts = 0.0
+        held += total[i]
+        acts += activation[i]
+        if held > memory_limit or acts > activation_cap:
+            return None
+    bounds.append(len(total))
+    return tuple(bounds) if len(bounds) - 1 <= p else None
+
+
+def _least_limit(fits: Callable[[float], bool], most: float) -> float | None:
+    """The least limit in (0, most] that `fits` (monotone), rounded up to a byte; None if not even
+    `most` does."""
+    if not fits(most):
+        return None
+    low, high = 0.0, most
+    while high - low > max(1.0, high * 1e-9):
+        middle = (low + high) / 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return float(math.ceil(high))
 
 
 def _devices_to_fit(costs: CostTable, memory: MemoryModel, memory_limit: float) -> int | None:
@@ -534,34 +559,56 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
     least_memory = max(max(a + b for a, b in zip(static, costs.activation)), (sum(static) - shared) / num_devices)
     least_activation = max(costs.activation)
+    # what to raise, each with the other limit as given: the least limits a contiguous split (one
+    # stage per device, one microbatch in flight) meets, which a plan then always fits
+    total = [a + b for a, b in zip(static, costs.activation)]
+    p = min(num_devices, len(costs))
+    cap = math.inf if activation_budget is None else activation_budget
+    memory_with_cap = _least_limit(lambda limit: _contiguous_split(total, costs.activation, p, limit, cap) is not None,
+                                   sum(total))
+    activation_with_memory = _least_limit(
+        lambda limit: _contiguous_split(total, costs.activation, p, memory_limit, limit) is not None,
+        sum(costs.activation))
     if need_memory > memory_limit:
         devices = _devices_to_fit(costs, memory, memory_limit)
         more = (f"use {devices} devices" if devices is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)")
+        raise_to = memory_with_cap if memory_with_cap is not None else need_memory
         message = (
             f"no plan fits {_size(memory_limit)} per device: even with the layers split evenly over "
             f"{num_devices} devices and one microbatch in flight, the busiest device needs {_size(need_memory)} "
             f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
-            f"memory limit to {_size(need_memory, exact=True)}, {more}, shard the optimizer state, or use a smaller "
+            f"memory limit to {_size(raise_to, exact=True)}, {more}, shard the optimizer state, or use a smaller "
             "microbatch")
-        if activation_budget is not None and need_activation > activation_budget:
-            message += (f"; the activation limit binds too: raise it to {_size(need_activation, exact=True)}, which "
-                        f"always works (to at least {_size(least_activation)} for any plan to fit)")
-    elif activation_budget is not None and need_activation > activation_budget:
+        if memory_with_cap is None:
+            # no split meets the activation limit: name the activations the memory-balanced one needs
+            with_need = _least_limit(
+                lambda limit: _contiguous_split(total, costs.activation, p, need_memory, limit) is not None,
+                sum(costs.activation))
+            message += (f"; the activation limit binds too: raise it to {_size(with_need or need_activation, exact=True)}"
+                        f", which always works with that memory limit (to at least {_size(least_activation)} for "
+                        "any plan to fit)")
+        elif memory_with_cap > need_memory:
+            message += (f" (the activation limit, {_size(cap)}, is why the memory limit must be more than the "
+                        f"{_size(need_memory)} an even split needs)")
+    elif need_activation > cap:
+        raise_to = activation_with_memory if activation_with_memory is not None else need_activation
         message = (
-            f"activation limit {_size(activation_budget)} per device is below what one microbatch in flight needs "
+            f"activation limit {_size(cap)} per device is below what one microbatch in flight needs "
             f"on the busiest of {num_devices} devices with the layers split evenly ({_size(need_activation)}), and "
             f"no plan holds less than the largest layer's {_size(least_activation)} (its backward needs all of "
-            f"them, recomputed or not). Raise activation_limit to {_size(need_activation, exact=True)}, which "
+            f"them, recomputed or not). Raise activation_limit to {_size(raise_to, exact=True)}, which "
             f"always works (to at least {_size(least_activation)} for any plan to fit), use more devices (more, "
             "shorter stages), or use a smaller microbatch")
     else:
         message = (
             f"no plan fits both limits ({_size(memory_limit)} per device, activations "
-            f"{_size(activation_budget or 0)}): one at a time each holds for a balanced split ({_size(need_memory)} "
+            f"{_size(cap)}): one at a time each holds for a balanced split ({_size(need_memory)} "
             f"and {_size(need_activation)}) but no split of the layers over {num_devices} devices meets both at "
-            "once. Raise either limit, use more devices, or use a smaller microbatch")
+            f"once. Raise the memory limit to {_size(memory_with_cap or need_memory, exact=True)} (with this "
+            f"activation limit) or the activation limit to {_size(activation_with_memory, exact=True)} (with this "
+            "memory limit), use more devices, or use a smaller microbatch")
     if memory_limit < least_memory or (activation_budget is not None and activation_budget < least_activation):
         raise InfeasibleError(message)
     return None, f"the search found no plan within the limits: {message}"

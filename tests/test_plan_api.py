@@ -279,6 +279,55 @@ def test_infeasible_names_every_limit_that_binds_and_its_fix_works():
     check_result(result, costs, cluster, memory_limit=6 * GiB)
 
 
+
+def _suggested_bytes(message, what):
+    import re
+    return int(re.search(rf"{what} to [^(]*\((\d+) bytes\)", message).group(1))
+
+
+def test_the_memory_limit_infeasible_suggests_works_with_the_activation_limit_as_given():
+    # two 4 GiB-activation layers must sit on different devices under a 5 GiB activation limit, so
+    # the 6 GiB of state shares a device with one of them: 10 GiB, not the 8 GiB an even split
+    # needs (which plan() once suggested, and then refused)
+    layers = [LayerCost("l0", forward_ms=1, backward_ms=2, param_bytes=6 * GiB // 8, output_bytes=2**20),
+              LayerCost("l1", forward_ms=1, backward_ms=2, activation_bytes=4 * GiB, output_bytes=2**20),
+              LayerCost("l2", forward_ms=1, backward_ms=2, activation_bytes=4 * GiB, output_bytes=2**20),
+              LayerCost("l3", forward_ms=1, backward_ms=2, output_bytes=2**20)]
+    costs, cluster = CostTable(layers), ClusterSpec.preset("h100x2")
+    options = dict(activation_limit=5 * GiB, recompute=False, quiet=True, time_limit_s=10, effort=0.1)
+    with pytest.raises(InfeasibleError) as error:
+        octopipe.plan(costs, cluster, 4, memory_limit_bytes=7 * GiB, **options)
+    message = str(error.value)
+    assert "the activation limit, 5.00 GiB, is why" in message
+    need = _suggested_bytes(message, "Raise the memory limit")
+    assert need == pytest.approx(10 * GiB, rel=1e-6)
+    result = octopipe.plan(costs, cluster, 4, memory_limit_bytes=need, **options)
+    check_result(result, costs, cluster, memory_limit=need)
+
+
+def test_both_limits_each_alone_met_infeasible_names_a_fix_for_each():
+    # 3 GiB of state on l0 and 1 GiB of activations on each of l1-l3, on 2 devices: 3.5 GiB of
+    # memory holds l0 alone, which leaves 3 GiB of activations to the other device (over 2 GiB);
+    # 2 GiB of activations puts l1 beside l0 (4 GiB of memory). Each limit alone is met, both
+    # at once are not, and each fix the message names works with the other limit as given
+    layers = [LayerCost("l0", forward_ms=1, backward_ms=2, param_bytes=3 * GiB // 8, output_bytes=2**20),
+              LayerCost("l1", forward_ms=1, backward_ms=2, activation_bytes=GiB, output_bytes=2**20),
+              LayerCost("l2", forward_ms=1, backward_ms=2, activation_bytes=GiB, output_bytes=2**20),
+              LayerCost("l3", forward_ms=1, backward_ms=2, activation_bytes=GiB, output_bytes=2**20)]
+    costs, cluster = CostTable(layers), ClusterSpec.preset("h100x2")
+    options = dict(recompute=False, quiet=True, time_limit_s=10, effort=0.1)
+    with pytest.raises(InfeasibleError) as error:
+        octopipe.plan(costs, cluster, 2, memory_limit_bytes=3.5 * GiB, activation_limit=2 * GiB, **options)
+    message = str(error.value)
+    assert "no plan fits both limits" in message
+    memory_fix = _suggested_bytes(message, "Raise the memory limit")
+    activation_fix = _suggested_bytes(message, "the activation limit")
+    check_result(octopipe.plan(costs, cluster, 2, memory_limit_bytes=memory_fix, activation_limit=2 * GiB, **options),
+                 costs, cluster, memory_limit=memory_fix)
+    check_result(octopipe.plan(costs, cluster, 2, memory_limit_bytes=3.5 * GiB, activation_limit=activation_fix,
+                               **options), costs, cluster, memory_limit=3.5 * GiB)
+
+
 def test_tight_memory_limit_still_gets_a_plan_that_fits():
     # weights + state leave room for about one microbatch's activations on each device
     costs = heterogeneous(6, num_layers=8, params=2**28)
