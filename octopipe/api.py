@@ -923,6 +923,7 @@ def compile(
                             "least num_microbatches samples")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ArgumentError(f"compile: num_microbatches must be a positive integer, got {num_microbatches!r}")
+    _check_meta_examples(model, inputs, example_target)
     if plan is not None and schedule is not None:
         raise ArgumentError("compile: give plan= (a saved plan) or schedule= (a baseline), not both")
     if not callable(loss_fn) or not _takes_two_arguments(loss_fn):
@@ -1121,6 +1122,29 @@ def plan_data_parallel(
                               + "; ".join(f"{row.data_parallel} replicas: {row.error}" for row in tried))
     best = min(planned, key=lambda row: (row.step_ms, row.data_parallel))
     return DataParallelResult(best.result, best.data_parallel, tried)  # type: ignore[arg-type]
+
+
+def _check_meta_examples(model: Any, inputs: tuple, example_target: Any) -> None:
+    """A model built on the meta device is traced on meta examples, and a real one on real ones:
+    say which side is on meta (the example run's own error blames batch dims)."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors:
+        return
+    model_meta = any(t.is_meta for t in tensors)
+    examples = [(f"example input {i}", t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
+    if isinstance(example_target, torch.Tensor):
+        examples.append(("example_target", example_target))
+    odd = [name for name, t in examples if t.is_meta != model_meta]
+    if odd:
+        where, other = ("the meta device", "a real device") if model_meta else ("a real device", "the meta device")
+        raise ArgumentError(
+            f"compile: the model is on {where} but {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} on {other}; "
+            "build the examples where the model is (for a meta model: inside `with torch.device(\"meta\"):`, or "
+            "`tensor.to(\"meta\")`), as the ranks create the real tensors")
 
 
 def _check_loss_weight(loss_weight: Any, example_target: Any, num_microbatches: int) -> None:

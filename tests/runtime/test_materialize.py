@@ -8,7 +8,7 @@ from pipeline_helpers import assert_grads_close, build_model, reference
 
 import octopipe
 from octopipe import models
-from octopipe.errors import ExecutionError
+from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.runtime import launch
 from octopipe.runtime.materialize import materialize
 from octopipe.runtime.stage import StageModule
@@ -173,3 +173,19 @@ def test_a_rank_creates_only_its_own_tensors_of_a_module_shared_with_another_ran
     assert "first" in mine and "last" not in mine
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in mine.values())
     assert model.first is mine["first"] and model.last.is_meta  # rank 1's tensor is not built here
+
+
+def test_a_meta_model_with_real_examples_is_told_where_each_is():
+    # the example run's own error (a device mismatch) once came with advice about batch dims
+    with torch.device("meta"):
+        model = models.build("llama", "tiny", num_layers=2)
+    inputs = models.example_inputs("llama", "tiny", batch_size=4, num_layers=2)
+    target = models.example_target("llama", "tiny", batch_size=4, num_layers=2)
+    with pytest.raises(ArgumentError, match=r"the model is on the meta device but example input 0, example_target "
+                                            r"are on a real device"):
+        octopipe.compile(model, "cpux2", example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                         num_microbatches=2, schedule="1f1b", quiet=True)
+    real = models.build("llama", "tiny", num_layers=2)
+    with pytest.raises(ArgumentError, match="the model is on a real device but example_target is on the meta device"):
+        octopipe.compile(real, "cpux2", example_inputs=inputs, example_target=target.to("meta"),
+                         loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b", quiet=True)
