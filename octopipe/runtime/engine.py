@@ -907,7 +907,17 @@ class Engine:
             state["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
+        state["random"] = {self._stream_key(index): self._random[index] for index in self.stages}
         return state
+
+    def _stream_key(self, index: int) -> str:
+        """What names stage `index`'s dropout stream in a checkpoint: its index and a digest of its
+        parameters' names, so a resume restores it only into the same stage of the same plan (a
+        stage of another plan draws from its own stream)."""
+        import hashlib
+
+        names = sorted(name for name, _ in self.stages[index].named_parameters())
+        return f"stage {index} {hashlib.sha1(chr(0).join(names).encode()).hexdigest()[:16]}"
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds from a full (merged) state or a shard."""
@@ -922,6 +932,15 @@ class Engine:
             load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        streams = state.get("random")
+        if isinstance(streams, Mapping):
+            for index in self.stages:
+                saved = streams.get(self._stream_key(index))
+                if saved is not None:
+                    cpu_state, cuda_state = saved
+                    keep_cuda = self._random[index][1]
+                    self._random[index] = (cpu_state.cpu(), cuda_state.cpu() if cuda_state is not None and
+                                           keep_cuda is not None else keep_cuda)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
@@ -1035,6 +1054,9 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"model": model}
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
+    streams = {key: value for shard in shards for key, value in shard.get("random", {}).items()}
+    if streams:
+        merged["random"] = streams
     scalers = [shard["loss_scaler"] for shard in shards if "loss_scaler" in shard]
     if scalers:  # every rank's is the same: they decide each step together
         merged["loss_scaler"] = scalers[0]

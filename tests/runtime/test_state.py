@@ -108,3 +108,57 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     engine.load_state_dict(before)
     for name, param in engine.named_parameters():
         torch.testing.assert_close(param.detach(), before["model"][name], rtol=0, atol=0)
+
+
+class _DropoutNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+                                          for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _dropout_pipe(schedule):
+    import octopipe
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = octopipe.compile(_DropoutNet(), "cpux2", example_inputs=(x,), example_target=y,
+                            loss_fn=torch.nn.functional.mse_loss, num_microbatches=4, schedule=schedule, quiet=True)
+    return pipe, x, y
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _dropout_run(rank, world_size, path, schedule):
+    pipe, x, y = _dropout_pipe(schedule)
+    engine = pipe.engine(rank, optimizer=_sgd)
+    engine.step((x,), y)
+    engine.optimizer_step()
+    engine.save_checkpoint(path)
+    straight = [engine.step((x,), y)]
+    engine.optimizer_step()
+    straight.append(engine.step((x,), y))
+    resumed_engine = _dropout_pipe(schedule)[0].engine(rank, optimizer=_sgd)
+    resumed_engine.load_checkpoint(path)
+    resumed = [resumed_engine.step((x,), y)]
+    resumed_engine.optimizer_step()
+    resumed.append(resumed_engine.step((x,), y))
+    return straight, resumed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_does(tmp_path, schedule):
+    path = str(tmp_path / "ckpt.pt")
+    # (without the streams in the checkpoint the resumed run draws the first step's masks again)
+    for straight, resumed in launch(_dropout_run, 2, (path, schedule), timeout_s=90):
+        assert resumed == straight  # bitwise: the same weights, masks and order
+    on_disk = torch.load(path, weights_only=True)
+    assert len(on_disk["random"]) == len(_dropout_pipe(schedule)[0].stages)
