@@ -499,9 +499,11 @@ def _contiguous_split(total: Sequence[float], activation: Sequence[float], p: in
     return tuple(bounds) if len(bounds) - 1 <= p else None
 
 
-def _least_limit(fits: Callable[[float], bool], most: float) -> float | None:
+def _least_limit(fits: Callable[[float], bool], most: float, first: float | None = None) -> float | None:
     """The least limit in (0, most] that `fits` (monotone), rounded up to a byte; None if not even
-    `most` does."""
+    `most` does. `first`: a lower bound on it, returned as it is when it fits."""
+    if first is not None and fits(first):
+        return first
     if not fits(most):
         return None
     low, high = 0.0, most
@@ -564,11 +566,12 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     total = [a + b for a, b in zip(static, costs.activation)]
     p = min(num_devices, len(costs))
     cap = math.inf if activation_budget is None else activation_budget
+    # (each first tries the even split's need, the least when the other limit does not bind)
     memory_with_cap = _least_limit(lambda limit: _contiguous_split(total, costs.activation, p, limit, cap) is not None,
-                                   sum(total))
+                                   sum(total), need_memory)
     activation_with_memory = _least_limit(
         lambda limit: _contiguous_split(total, costs.activation, p, memory_limit, limit) is not None,
-        sum(costs.activation))
+        sum(costs.activation), need_activation)
     if need_memory > memory_limit:
         devices = _devices_to_fit(costs, memory, memory_limit)
         more = (f"use {devices} devices" if devices is not None else

@@ -305,6 +305,21 @@ def test_the_memory_limit_infeasible_suggests_works_with_the_activation_limit_as
     check_result(result, costs, cluster, memory_limit=need)
 
 
+
+def test_the_memory_limit_infeasible_suggests_alone_is_the_even_splits_need_exactly():
+    # no activation limit: the memory named is the even split's need to the byte, with no word of
+    # an activation limit (a bisection once ended a few bytes above it and blamed an "inf GiB" one)
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1, backward_ms=2, param_bytes=GiB + 12345 * i,
+                                 activation_bytes=3 * GiB + 777 * i, output_bytes=2**20) for i in range(4)])
+    with pytest.raises(InfeasibleError) as error:
+        octopipe.plan(costs, ClusterSpec.preset("h100x2"), 4, memory_limit_bytes=15 * GiB, quiet=True,
+                      time_limit_s=5, effort=0.05)
+    message = str(error.value)
+    assert "activation" not in message.split("Raise the memory limit")[1]
+    state = [8 * (GiB + 12345 * i) + 3 * GiB + 777 * i for i in range(4)]
+    assert _suggested_bytes(message, "Raise the memory limit") == max(sum(state[:2]), sum(state[2:]))
+
+
 def test_both_limits_each_alone_met_infeasible_names_a_fix_for_each():
     # 3 GiB of state on l0 and 1 GiB of activations on each of l1-l3, on 2 devices: 3.5 GiB of
     # memory holds l0 alone, which leaves 3 GiB of activations to the other device (over 2 GiB);
