@@ -536,12 +536,18 @@ def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+ONE_IN_FLIGHT = -(1 << 62)
+"""`Policy.inflight_slack` that caps every stage at one microbatch in flight."""
+
+
 def _low_memory_plan(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, bounds: Sequence[int],
                      num_devices: int, memory: MemoryModel) -> PipelinePlan:
     """A plan on the fitting split (stage s on device s) with one microbatch in flight per stage
     and full backwards: the fallback that fits whenever `_check_memory_feasible` passes."""
     structure = Structure(tuple(bounds), tuple(range(len(bounds) - 1)), num_devices)
-    policy = Policy(split_backward=False, inflight_slack=-num_microbatches - 1)
+    # a slack below any round trip's estimate caps every stage at one microbatch (-M-1 did not
+    # where a round trip spans more than M+2 of a device's loads: deep pipelines, slow links)
+    policy = Policy(split_backward=False, inflight_slack=ONE_IN_FLIGHT)
     return list_schedule(structure, costs, cluster, num_microbatches, policy, None, memory)
 
 

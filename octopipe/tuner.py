@@ -165,7 +165,8 @@ class Policy:
     depth_first: bool = True
     """Among ready forwards prefer the deepest stage (microbatches reach the end sooner)."""
     inflight_slack: int = 0
-    """Microbatches in flight per stage beyond the round-trip estimate (can be negative)."""
+    """Microbatches in flight per stage beyond the round-trip estimate (can be negative; each stage
+    keeps at least one)."""
     max_pending_w: int = 1 << 30
     """Per stage, W ops allowed to wait; at the limit the oldest W runs before new forwards."""
     roundtrip_caps: bool = True

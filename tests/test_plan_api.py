@@ -343,6 +343,25 @@ def test_both_limits_each_alone_met_infeasible_names_a_fix_for_each():
                                **options), costs, cluster, memory_limit=3.5 * GiB)
 
 
+
+def test_the_one_microbatch_fallback_holds_one_microbatch_on_a_deep_pipeline():
+    # 8 one-layer stages, 2 microbatches: a round trip spans more than M + 2 of a device's loads,
+    # and the fallback's in-flight cap (round trip / load - M - 1) once let stage 0 hold both
+    from octopipe.api import _check_memory_feasible, _low_memory_plan
+    from octopipe.simulator import MemoryModel
+
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1, backward_ms=2, activation_bytes=int(2.5 * GiB),
+                                 output_bytes=2**20) for i in range(8)])
+    cluster = ClusterSpec.preset("h100x8")
+    bounds, _ = _check_memory_feasible(costs, 8, 2, 3 * GiB, None, MemoryModel())
+    assert bounds is not None
+    fallback = _low_memory_plan(costs, cluster, 2, bounds, 8, MemoryModel())
+    assert max(simulate(fallback, costs, cluster).peak_memory_bytes) <= 3 * GiB
+    result = octopipe.plan(costs, cluster, 2, memory_limit_bytes=3 * GiB, quiet=True, time_limit_s=5, effort=0.05,
+                           recompute=False)
+    check_result(result, costs, cluster, memory_limit=3 * GiB)
+
+
 def test_tight_memory_limit_still_gets_a_plan_that_fits():
     # weights + state leave room for about one microbatch's activations on each device
     costs = heterogeneous(6, num_layers=8, params=2**28)
