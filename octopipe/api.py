@@ -516,20 +516,14 @@ def _least_limit(fits: Callable[[float], bool], most: float, first: float | None
     return float(math.ceil(high))
 
 
-def _devices_to_fit(costs: CostTable, memory: MemoryModel, memory_limit: float) -> int | None:
-    """The fewest devices over which an even split of the layers (state plus one microbatch's
-    activations) fits `memory_limit`, or None when not even one layer per device does."""
+def _devices_to_fit(costs: CostTable, memory: MemoryModel, memory_limit: float, activation_cap: float = math.inf
+                    ) -> int | None:
+    """The fewest devices over which a contiguous split of the layers (state plus one microbatch's
+    activations) fits `memory_limit` with its activations within `activation_cap`, or None when
+    not even one layer per device does."""
     total = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
-    if max(total) > memory_limit:
-        return None
-    low, high = 1, len(costs)  # the busiest device's need falls as devices grow: search the fewest that fit
-    while low < high:
-        middle = (low + high) // 2
-        if max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, middle))) <= memory_limit:
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    split = _contiguous_split(total, costs.activation, len(costs), memory_limit, activation_cap)
+    return None if split is None else len(split) - 1
 
 
 def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
@@ -579,10 +573,11 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
         lambda limit: _contiguous_split(total, costs.activation, p, memory_limit, limit) is not None,
         sum(costs.activation), need_activation)
     if need_memory > memory_limit:
-        devices = _devices_to_fit(costs, memory, memory_limit)
+        devices = _devices_to_fit(costs, memory, memory_limit, cap)
         more = (f"use {devices} devices" if devices is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
-                "more than the limit)")
+                "more than the limit)" if max(total) > memory_limit else
+                "(more devices cannot help: a single layer's activations are over the activation limit)")
         raise_to = memory_with_cap if memory_with_cap is not None else need_memory
         message = (
             f"no plan fits {_size(memory_limit)} per device: even with the layers split evenly over "

@@ -306,6 +306,24 @@ def test_the_memory_limit_infeasible_suggests_works_with_the_activation_limit_as
 
 
 
+def test_the_device_count_infeasible_suggests_works_with_the_activation_limit():
+    # 6 GiB of state, then four layers of 2 GiB activations, under 7 GiB and activations of 3 GiB:
+    # the memory alone fits three devices (6 | 2+2+2 | 2), the activation limit wants one layer
+    # of activations per device: five (it once said three, which plan then refused)
+    layers = [LayerCost("l0", forward_ms=1, backward_ms=2, param_bytes=6 * GiB // 8, output_bytes=2**20)]
+    layers += [LayerCost(f"l{i}", forward_ms=1, backward_ms=2, activation_bytes=2 * GiB, output_bytes=2**20)
+               for i in range(1, 5)]
+    costs = CostTable(layers)
+    options = dict(activation_limit=3 * GiB, memory_limit_bytes=7 * GiB, recompute=False, quiet=True,
+                   time_limit_s=10, effort=0.1)
+    with pytest.raises(InfeasibleError, match="use 5 devices"):
+        octopipe.plan(costs, ClusterSpec.preset("h100x2"), 4, **options)
+    eight = ClusterSpec.preset("h100x8")
+    result = octopipe.plan(costs, eight, 4, num_devices=5, **options)
+    check_result(result, costs, eight, memory_limit=7 * GiB)
+
+
+
 def test_the_memory_limit_infeasible_suggests_alone_is_the_even_splits_need_exactly():
     # no activation limit: the memory named is the even split's need to the byte, with no word of
     # an activation limit (a bisection once ended a few bytes above it and blamed an "inf GiB" one)
