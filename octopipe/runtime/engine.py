@@ -79,8 +79,9 @@ from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight
 
 
 def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
-    """`loss_weight` of each target microbatch, checked to be a finite count >= 0. `where` starts
-    the error messages."""
+    """`loss_weight` of each target microbatch, checked to be a finite count >= 0 (nan for a
+    one-element meta tensor: a meta-device example target holds no values). `where` starts the
+    error messages."""
     counts = []
     for m, chunk in enumerate(target.chunk(count)):
         try:
@@ -89,6 +90,9 @@ def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, coun
             raise ArgumentError(f"{where}: loss_weight failed on microbatch {m}'s target: "
                                 f"{type(exc).__name__}: {exc}") from exc
         if isinstance(value, Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+            if value.is_meta:
+                counts.append(float("nan"))
+                continue
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ArgumentError(f"{where}: loss_weight must return a number (or a one-element tensor) for a target "
