@@ -916,12 +916,16 @@ class Engine:
 
     def _stream_key(self, index: int) -> str:
         """What names stage `index`'s dropout stream in a checkpoint: its index and a digest of its
-        parameters' names, so a resume restores it only into the same stage of the same plan (a
-        stage of another plan draws from its own stream)."""
+        parameters' names and its traced code (which tells apart stages without parameters), so a
+        resume restores it only into the same stage of the same plan (a stage of another plan
+        draws from its own stream)."""
         import hashlib
 
-        names = sorted(name for name, _ in self.stages[index].named_parameters())
-        return f"stage {index} {hashlib.sha1(chr(0).join(names).encode()).hexdigest()[:16]}"
+        stage = self.stages[index]
+        module = getattr(stage.module, "_orig_mod", stage.module)  # under torch.compile
+        parts = sorted(name for name, _ in stage.named_parameters())
+        parts.append(str(getattr(module, "code", "")))
+        return f"stage {index} {hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:16]}"
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds from a full (merged) state or a shard."""
