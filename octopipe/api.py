@@ -462,9 +462,7 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     one microbatch at a time fits in (stage weights + state + one microbatch's activations within
     `memory_limit`, activations within `activation_budget`), or None; and the least memory and
     activation per device such a plan needs at all (balanced splits)."""
-    static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
-    activation = list(costs.activation)
-    total = [a + b for a, b in zip(static, activation)]
+    _, total, activation = _layer_needs(costs, memory)
     p = min(num_devices, len(costs))
     need_memory = max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, p)))
     need_activation = max(sum(activation[a:b]) for a, b in _pairs(schedules.balanced_boundaries(activation, p)))
@@ -479,6 +477,14 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
             break
         bounds.insert(widest + 1, (bounds[widest] + bounds[widest + 1]) // 2)
     return tuple(bounds), need_memory, need_activation
+
+
+def _layer_needs(costs: CostTable, memory: MemoryModel) -> tuple[list[float], list[float], list[float]]:
+    """Per layer: its weights, gradients and optimizer state; that plus one microbatch's
+    activations (what its device holds during its backward); its activations."""
+    static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
+    activation = list(costs.activation)
+    return static, [a + b for a, b in zip(static, activation)], activation
 
 
 def _contiguous_split(total: Sequence[float], activation: Sequence[float], p: int, memory_limit: float,
@@ -516,16 +522,6 @@ def _least_limit(fits: Callable[[float], bool], most: float, first: float | None
     return float(math.ceil(high))
 
 
-def _devices_to_fit(costs: CostTable, memory: MemoryModel, memory_limit: float, activation_cap: float = math.inf
-                    ) -> int | None:
-    """The fewest devices over which a contiguous split of the layers (state plus one microbatch's
-    activations) fits `memory_limit` with its activations within `activation_cap`, or None when
-    not even one layer per device does."""
-    total = [costs.params[i] * memory.state_bytes_per_param_byte + costs.activation[i] for i in range(len(costs))]
-    split = _contiguous_split(total, costs.activation, len(costs), memory_limit, activation_cap)
-    return None if split is None else len(split) - 1
-
-
 def _pairs(bounds: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
@@ -557,24 +553,25 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     bounds, need_memory, need_activation = _least_need(costs, num_devices, memory, memory_limit, activation_budget)
     if bounds is not None:
         return bounds, ""
-    static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
+    static, total, activation = _layer_needs(costs, memory)
     shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
-    least_memory = max(max(a + b for a, b in zip(static, costs.activation)), (sum(static) - shared) / num_devices)
-    least_activation = max(costs.activation)
-    # what to raise, each with the other limit as given: the least limits a contiguous split (one
-    # stage per device, one microbatch in flight) meets, which a plan then always fits
-    total = [a + b for a, b in zip(static, costs.activation)]
+    least_memory = max(max(total), (sum(static) - shared) / num_devices)
+    least_activation = max(activation)
     p = min(num_devices, len(costs))
     cap = math.inf if activation_budget is None else activation_budget
-    # (each first tries the even split's need, the least when the other limit does not bind)
-    memory_with_cap = _least_limit(lambda limit: _contiguous_split(total, costs.activation, p, limit, cap) is not None,
-                                   sum(total), need_memory)
-    activation_with_memory = _least_limit(
-        lambda limit: _contiguous_split(total, costs.activation, p, memory_limit, limit) is not None,
-        sum(costs.activation), need_activation)
+
+    def fits(memory_cap: float, activation_cap: float) -> bool:
+        return _contiguous_split(total, activation, p, memory_cap, activation_cap) is not None
+
+    # what to raise, each with the other limit as given: the least limits a contiguous split (one
+    # stage per device, one microbatch in flight) meets, which a plan then always fits (each
+    # first tries the even split's need, the least when the other limit does not bind)
+    memory_with_cap = _least_limit(lambda limit: fits(limit, cap), sum(total), need_memory)
+    activation_with_memory = _least_limit(lambda limit: fits(memory_limit, limit), sum(activation), need_activation)
     if need_memory > memory_limit:
-        devices = _devices_to_fit(costs, memory, memory_limit, cap)
-        more = (f"use {devices} devices" if devices is not None else
+        # the fewest devices whose contiguous stages meet both limits
+        fewest = _contiguous_split(total, activation, len(costs), memory_limit, cap)
+        more = (f"use {len(fewest) - 1} devices" if fewest is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)" if max(total) > memory_limit else
                 "(more devices cannot help: a single layer's activations are over the activation limit)")
@@ -587,9 +584,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
             "microbatch")
         if memory_with_cap is None:
             # no split meets the activation limit: name the activations the memory-balanced one needs
-            with_need = _least_limit(
-                lambda limit: _contiguous_split(total, costs.activation, p, need_memory, limit) is not None,
-                sum(costs.activation))
+            with_need = _least_limit(lambda limit: fits(need_memory, limit), sum(activation))
             message += (f"; the activation limit binds too: raise it to {_size(with_need or need_activation, exact=True)}"
                         f", which always works with that memory limit (to at least {_size(least_activation)} for "
                         "any plan to fit)")
