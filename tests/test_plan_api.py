@@ -4,6 +4,7 @@ loses to a baseline that fits, is deterministic; bad inputs fail with the fix in
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -281,7 +282,6 @@ def test_infeasible_names_every_limit_that_binds_and_its_fix_works():
 
 
 def _suggested_bytes(message, what):
-    import re
     return int(re.search(rf"{what} to [^(]*\((\d+) bytes\)", message).group(1))
 
 
