@@ -877,10 +877,13 @@ def compile(
     applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device) or a
     CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
     name (e.g. "zb-v") with `partition` ("balanced" or "uniform"). compile_stages: wrap each stage
-    in torch.compile (Inductor: Triton kernels on a GPU, C++ on a CPU, slow to compile there); in
-    fp32 equal to eager stages to float rounding; under fp16 autocast further off (5e-5 in a
-    gradient where eager pipelines are bitwise: Inductor's fused kernels round fewer
-    intermediates to 16 bits). receive_ahead: how many computes
+    in torch.compile (Inductor: Triton kernels on a GPU, C++ on a CPU, slow to compile there; each
+    rank compiles its stages where they first run, so the pipeline pickles as an eager one does); in
+    fp32 equal to eager stages to float rounding; under bf16 or fp16 autocast off by what 16-bit
+    rounding gives (Inductor's fused kernels round fewer intermediates to 16 bits: up to 3% of the
+    largest gradient under bf16, 0.1% under fp16, where eager pipelines are bitwise); dropout draws
+    Inductor's own random numbers unless `torch._inductor.config.fallback_random` is set.
+    receive_ahead: how many computes
     before the one that reads it a receive is posted (as far as the pair order allows; see
     `passes/lower.py`); default: at the start of the step on gloo, where a send moves its data only
     once the receive is posted (posted late, the data waits 10-35 ms for the sender's I/O thread

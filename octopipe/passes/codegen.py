@@ -335,13 +335,12 @@ def codegen(
                 # GraphModule registers copied buffers as persistent; keep the model's choice
                 owner, _, attr = local.rpartition(".")
                 (stage_module.get_submodule(owner) if owner else stage_module)._non_persistent_buffers_set.add(attr)
-        if compile:
-            stage_module.compile()
         owners = {id(owner_of[id(t)]): owner_of[id(t)] for t in [*stage_module.parameters(), *stage_module.buffers()]
                   if id(t) in owner_of}
         stages.append(StageModule(stage, stage_module, tuple(src for _, src in ordered), outputs,
                                   is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values()),
-                                  recompute=plan.stages[stage].recompute, selective=plan.stages[stage].selective))
+                                  recompute=plan.stages[stage].recompute, selective=plan.stages[stage].selective,
+                                  compiled=compile))
     return tuple(stages)
 
 

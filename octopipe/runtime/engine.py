@@ -686,7 +686,7 @@ class Engine:
 
     @staticmethod
     def _run(stage: StageModule, args: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        outputs = stage.module(*args)
+        outputs = stage(*args)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
     def _recompute(self, stage: StageModule, slot: _Slot) -> None:
@@ -922,9 +922,10 @@ class Engine:
         import hashlib
 
         stage = self.stages[index]
-        module = getattr(stage.module, "_orig_mod", stage.module)  # under torch.compile
         parts = sorted(name for name, _ in stage.named_parameters())
-        parts.append(str(getattr(module, "code", "")))
+        # a stage split for torch.compile calls the same split linear by its other name
+        # (passes/split_backward.py): one stage, one stream, compiled or not
+        parts.append(str(getattr(stage.module, "code", "")).replace("split_linear_uncompiled", "split_linear"))
         return f"stage {index} {hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:16]}"
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:

@@ -96,6 +96,24 @@ class StageModule:
     selective: bool = False
     """Selective recomputation: the engine runs F under `selective_checkpoint`, which keeps the
     outputs of the compute-heavy ops (`SELECTIVE_SAVED_OPS`) and recomputes the rest in B."""
+    compiled: bool = False
+    """Run `module` under torch.compile (`compile(compile_stages=True)`). The compiled callable is
+    made where the stage first runs and is not pickled (torch.compile's wrapper does not pickle),
+    so a pipeline of compiled stages travels to spawned ranks as an eager one does."""
+    _compiled_call: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __call__(self, *args: Any) -> Any:
+        """`module(*args)`, under torch.compile where the stage is `compiled`."""
+        if not self.compiled:
+            return self.module(*args)
+        if self._compiled_call is None:
+            self._compiled_call = torch.compile(self.module)
+        return self._compiled_call(*args)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_compiled_call"] = None  # made again where the stage runs
+        return state
 
     def original_name(self, local_name: str) -> str:
         return self.parameter_names.get(local_name, local_name)

@@ -1,6 +1,7 @@
 """codegen: per-stage GraphModules with the StageModule contract (specs, sources, names, tied
 parameters, skip links, baked constants), equal to the whole model when chained."""
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def chain(stages: list[StageModule], batch, num_microbatches: int, index: int):
         args = [mb[src.index] if src.is_batch else outputs[src.stage][src.index] for src in stage.inputs]
         for arg, src in zip(args, stage.inputs):
             assert tuple(arg.shape) == src.spec.shape and arg.dtype == src.spec.dtype
-        outputs[stage.index] = stage.module(*args)
+        outputs[stage.index] = stage(*args)
         assert len(outputs[stage.index]) == len(stage.outputs)
     return outputs[stages[-1].index][0]
 
@@ -146,9 +147,17 @@ def test_torch_compile_stage_matches_eager():
     reference = {n: p.grad.clone() for s in eager for n, p in s.named_parameters()}
     for s in eager:
         s.module.zero_grad(set_to_none=True)
+    # compiled stages pickle (spawned ranks get them so): torch.compile's wrapper is made where a
+    # stage first runs, not carried
+    assert all(s.compiled for s in compiled)
+    compiled = pickle.loads(pickle.dumps(compiled))
+    torch._dynamo.reset()
     got = chain(list(compiled), batch, 1, 0)
     got.backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it ran compiled
+    assert all(s._compiled_call is not None for s in compiled)
     torch.testing.assert_close(got, expected)
     for s in compiled:
         for n, p in s.named_parameters():
             torch.testing.assert_close(p.grad, reference[n], rtol=1e-5, atol=1e-6)
+    pickle.dumps(compiled)  # and again after running

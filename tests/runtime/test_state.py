@@ -122,13 +122,14 @@ class _DropoutNet(torch.nn.Module):
         return x
 
 
-def _dropout_pipe(schedule):
+def _dropout_pipe(schedule, compile_stages=False):
     import octopipe
 
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     pipe = octopipe.compile(_DropoutNet(), "cpux2", example_inputs=(x,), example_target=y,
-                            loss_fn=torch.nn.functional.mse_loss, num_microbatches=4, schedule=schedule, quiet=True)
+                            loss_fn=torch.nn.functional.mse_loss, num_microbatches=4, schedule=schedule, quiet=True,
+                            compile_stages=compile_stages)
     return pipe, x, y
 
 
@@ -162,3 +163,15 @@ def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_does(tmp_pa
         assert resumed == straight  # bitwise: the same weights, masks and order
     on_disk = torch.load(path, weights_only=True)
     assert len(on_disk["random"]) == len(_dropout_pipe(schedule)[0].stages)
+
+
+def _stream_keys(rank, world_size, schedule):
+    return [sorted(_dropout_pipe(schedule, compiled)[0].engine(rank).state_dict()["random"]) for compiled in (False, True)]
+
+
+@pytest.mark.timeout(120)
+def test_compiled_and_eager_stages_of_one_plan_name_their_dropout_streams_alike():
+    # zb-v splits every stage's backward, and a stage split for torch.compile calls its split
+    # linears by another name: a checkpoint still moves between compile_stages=True and False
+    for eager, compiled in launch(_stream_keys, 2, ("zb-v",), timeout_s=90):
+        assert eager and compiled == eager
