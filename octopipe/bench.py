@@ -122,8 +122,8 @@ def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -
 
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
-                  optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False
-                  ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
+                  optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
+                  update_in_warmup: bool = True) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -139,10 +139,10 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     link_rounds: list[list[float]] = []
     link_buffers = _link_buffers(LINK_SIZES) if link else []
 
-    def after_step(engine: Any, optimizer: Any) -> None:
-        if clip_grad is not None:
+    def after_step(engine: Any, optimizer: Any, update: bool = True) -> None:
+        if update and clip_grad is not None:
             engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
-        if optimizer is not None:
+        if update and optimizer is not None:
             optimizer.step()
         _clear_grads(engine)
 
@@ -159,7 +159,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             loss = engine.step(inputs, target)
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
-            after_step(engine, optimizer)
+            after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -190,13 +190,15 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
-                  clip_grad: float | None = None) -> StepTiming:
+                  clip_grad: float | None = None, update_in_warmup: bool = True) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
-    `clip_grad` across ranks (`Engine.clip_grad_norm_`) when given."""
+    `clip_grad` across ranks (`Engine.clip_grad_norm_`) when given. `update_in_warmup=False`:
+    the warm-up steps run forward and backward only (the gradients are dropped), so the model
+    takes exactly `steps` updates and the first loss is the starting model's."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
-                    clip_grad)[0][0]
+                    clip_grad, update_in_warmup=update_in_warmup)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -240,7 +242,7 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
-             clip_grad: float | None = None, link: bool = False
+             clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -253,7 +255,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link),
+                                                        link, update_in_warmup),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

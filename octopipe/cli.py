@@ -771,8 +771,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
               f"processes), each on the same batch here; summing their gradients takes up to "
               f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction)")
+    # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
+    # loss is the starting model's, as under torchrun
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
-                           optimizer=args.optimizer, clip_grad=args.clip_grad)
+                           optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
@@ -822,6 +824,7 @@ AUTOCAST_CHOICES = ("bf16", "fp16")
 def _train_distributed(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: every rank compiles the same model; rank 0's plan is broadcast
     so all ranks run the same one, then each rank runs its engine."""
+    import statistics
     import time
 
     import torch
@@ -850,14 +853,33 @@ def _train_distributed(args: argparse.Namespace) -> int:
         inputs, target = _real_batch(args, inputs, target)
         examples = tuple(t.to("meta") for t in inputs)
         example_target = target.to("meta") if target is not None else None
-    plan_text = [None]
+    plan_text: list[Any] = [None]
+    first = None
     if rank == 0:
-        first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
-                                 loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
-                                 schedule=args.schedule, time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0,
-                                 quiet=args.quiet, autocast=args.autocast, data_parallel=args.data_parallel)
-        plan_text = [str(first.plan)]
+        try:
+            if args.profile and device.type == "cuda":  # costs measured where the ranks run
+                model = model.to(device)
+                examples = tuple(t.to(device) for t in examples)
+                example_target = example_target.to(device) if example_target is not None else None
+            first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
+                                     loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
+                                     costs="profile" if args.profile else "analytic", schedule=args.schedule,
+                                     time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
+                                     autocast=args.autocast, data_parallel=args.data_parallel)
+            plan_text = [str(first.plan)]
+        except Exception:
+            # the other ranks wait in the broadcast: tell them, so that they stop with one line
+            # each rather than a traceback of the group rank 0 leaves
+            dist.broadcast_object_list([RANK0_FAILED], src=0)
+            raise
     dist.broadcast_object_list(plan_text, src=0)
+    if plan_text[0] == RANK0_FAILED:
+        # rank 0's error is the job's: this rank leaves quietly, so that torchrun names rank 0's
+        # failure (and its exit code) as the root cause
+        print(f"note: rank {rank}: rank 0 failed before training (its error says why); this rank ran nothing",
+              file=sys.stderr)
+        dist.destroy_process_group()
+        return EXIT_OK
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
                             autocast=args.autocast, data_parallel=args.data_parallel)
@@ -869,6 +891,9 @@ def _train_distributed(args: argparse.Namespace) -> int:
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
     optimizer = training_optimizer(args.optimizer, [p for _, p in engine.named_parameters()], args.lr)
+    if first is not None:
+        print(first.dump("plan"), flush=True)
+    step_ms = []
     for step in range(args.steps):
         start = time.perf_counter()
         loss = engine.step(inputs, target)
@@ -877,8 +902,13 @@ def _train_distributed(args: argparse.Namespace) -> int:
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        step_ms.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
-            print(f"step {step}: loss {loss:.5f}  {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
+            print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms", flush=True)
+    if first is not None:
+        print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
+              f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
+              flush=True)
     # every rank done before any tears its group down; then, run as `python -m octopipe.cli`, the
     # process ends without the interpreter's teardown (see _end_torchrun_rank)
     dist.barrier()
@@ -886,6 +916,10 @@ def _train_distributed(args: argparse.Namespace) -> int:
     global _TORCHRUN_RANK_DONE
     _TORCHRUN_RANK_DONE = True
     return EXIT_OK
+
+
+RANK0_FAILED = "rank 0 failed"
+"""What rank 0 of a torchrun `train` broadcasts in place of the plan when it cannot make one."""
 
 
 def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[tuple, Any]:
@@ -935,7 +969,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
     words += ["--autocast", args.autocast] if args.autocast else []
-    words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 else []
+    # the replica count travels whenever it is not 1 or a plan file's own count would replace it
+    words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -967,6 +1002,12 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         raise OctopipeError(f"--batch-size {args.batch_size}: not a multiple of --microbatches {args.microbatches} "
                             "(each microbatch takes an equal share of the batch)")
     model, inputs, target, loss_fn = _load_model(args)  # config fields and values the model refuses
+    if args.profile and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise OctopipeError(f"--profile: the model ({args.model}{' --size paper' if args.size == 'paper' else ''}) is "
+                            "built on the meta device, which holds no data to time; drop --profile (rank 0 then "
+                            "plans with analytic costs)")
+    if args.schedule and f"--cluster {args.cluster}" not in missing:
+        _check_schedule_builds(args, model, inputs, target, loss_fn)
     if args.plan and f"--plan {args.plan}" not in missing:
         from octopipe.api import _warn_planned_elsewhere, load_saved_plan
         from octopipe.passes.codegen import microbatch
@@ -983,6 +1024,23 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         # what compile warns about on every rank, said once here (--torchrun only prints the line)
         _warn_planned_elsewhere(args.plan, graph.model, layers, microbatch(inputs, args.microbatches), args.microbatches,
                                 where=f"--plan {args.plan}")
+
+
+def _check_schedule_builds(args: argparse.Namespace, model: Any, inputs: tuple, target: Any, loss_fn: Any) -> None:
+    """A baseline schedule the ranks could not build (too few microbatches or layers for its
+    family on this many ranks per replica) refused before launch: compiled here as rank 0 will
+    compile it, on the cluster the ranks take."""
+    import octopipe
+
+    cluster = _cluster(args, default=f"h100x{args.nprocs}")
+    if cluster.num_devices != args.nprocs:
+        cluster = cluster.with_devices(args.nprocs)
+    on_meta = any(param.is_meta for param in model.parameters())
+    examples = tuple(t.to("meta") for t in inputs) if on_meta else inputs
+    example_target = target.to("meta") if on_meta and target is not None else target
+    octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
+                     num_microbatches=args.microbatches, schedule=args.schedule, quiet=True, autocast=args.autocast,
+                     data_parallel=args.data_parallel)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

@@ -204,7 +204,10 @@ def test_train_runs_locally_from_a_checkpoint_and_losses_fall(tmp_path):
     torch.save({"model": model.state_dict()}, tmp_path / "start.pt")
     inputs = models.example_inputs("llama", "tiny", batch_size=8)
     target = models.example_target("llama", "tiny", batch_size=8)
-    # train's warm-up step: the gradient clipped to a total norm of 0.5, then one AdamW update
+    # step 0 is the starting model's loss (train's untimed warm-up step does not update); its
+    # gradient is clipped to a total norm of 0.5, then one AdamW update gives step 1's
+    with torch.no_grad():
+        start = models.lm_loss(model(*inputs), target).item()
     models.lm_loss(model(*inputs), target).backward()
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) > 0.5  # so that it clips
     torch.optim.AdamW(model.parameters(), lr=0.01).step()
@@ -217,7 +220,8 @@ def test_train_runs_locally_from_a_checkpoint_and_losses_fall(tmp_path):
     assert proc.returncode == 0, proc.stderr
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    assert losses[0] == pytest.approx(expected, abs=1e-4)
+    assert losses[0] == pytest.approx(start, abs=1e-5)
+    assert losses[1] == pytest.approx(expected, abs=1e-4)
 
 
 SMALL_PAPER = ["--set", "vocab_size=512", "--set", "hidden_size=64", "--set", "num_layers=4", "--set", "num_heads=4",
@@ -240,6 +244,43 @@ def _torchrun_train(extra, tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+def _torchrun(words, tmp_path):
+    """`python -m octopipe.cli WORDS` on 2 ranks under torchrun (gloo on this CPU)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "octopipe.cli", *words]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=200, cwd=tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_rank_0_plans_with_profiled_costs_and_prints_the_plan_and_its_prediction(tmp_path):
+    proc = _torchrun(["train", "--model", "llama", "--microbatches", "4", "--steps", "2", "--profile", "--time-limit",
+                      "3", "--quiet"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan devices=2 microbatches=4" in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == 2
+    assert re.search(r"^median step [\d.]+ ms on rank 0 \(predicted [\d.]+ ms from profiled costs\)$", proc.stdout,
+                     re.MULTILINE), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_rank_0_failing_before_training_is_the_root_cause_the_others_stop_quietly(tmp_path):
+    # (the printed line refuses this schedule up front; the ranks meet it when started by hand)
+    proc = _torchrun(["train", "--model", "llama", "--schedule", "dualpipe-v", "--microbatches", "2", "--batch-size",
+                      "4", "--steps", "1", "--quiet"], tmp_path)
+    assert proc.returncode != 0
+    assert "octopipe: error: dualpipe-v needs num_microbatches >= 2 * num_devices" in proc.stderr
+    assert "note: rank 1: rank 0 failed before training" in proc.stderr
+    assert "RuntimeError" not in proc.stderr  # no gloo traceback from rank 1
+    root = proc.stderr.split("Root Cause")[1]
+    assert re.search(r"rank\s*: 0 ", root) and re.search(r"exitcode\s*: 4 ", root), root
 
 
 def _small_paper_checkpoint(tmp_path, seed):
@@ -663,6 +704,10 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
     assert main(["train", "--model", "llama", "--plan", str(llama_plan), "--nprocs", str(devices), "--data-parallel",
                  "2", "--torchrun"]) == EXIT_ERROR
     assert f"runs on {devices} devices x 2 replicas" in capsys.readouterr().err
+    # one replica of the 2-replica plan: the line says so (the ranks would take the plan's 2 otherwise)
+    assert main(["train", "--model", "llama", "--plan", str(llama_plan), "--data-parallel", "1", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--data-parallel 1" in line and f"--nproc-per-node {min(8, devices)}" in line
 
 
 def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(tmp_path, capsys):
@@ -679,7 +724,7 @@ def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(
     assert main(["train", "--model", "gemma", "--plan", str(plan_path), "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out
     assert f"--nproc-per-node {min(8, devices * replicas)}" in line
-    assert (f"--data-parallel {replicas}" in line) == (replicas > 1)
+    assert f"--data-parallel {replicas}" in line  # with a plan file, the count always travels
     assert main(["plan", "--model", "gemma", "--data-parallel", "auto", "--devices", "4"]) == EXIT_ERROR
     assert "applies to one replica count" in capsys.readouterr().err
 
@@ -723,7 +768,13 @@ def test_train_torchrun_refuses_what_every_rank_would(tmp_path, capsys):
                                  (["--batch-size", "3"], "not a multiple of --microbatches 4", EXIT_ERROR),
                                  (["--set", "num_layers=0"], "num_layers=0 must be >= 1", EXIT_ERROR),
                                  (["--plan", str(plan_path)], "its stages cover 24 layers, but --model llama has 8",
-                                  EXIT_INVALID_PLAN)):
+                                  EXIT_INVALID_PLAN),
+                                 # a schedule the ranks could not build on 2 of them, as local train refuses it
+                                 (["--schedule", "dualpipe-v", "--microbatches", "2", "--batch-size", "4"],
+                                  "dualpipe-v needs num_microbatches >= 2 * num_devices", EXIT_INVALID_PLAN),
+                                 (["--schedule", "interleaved-1f1b", "--nprocs", "8"], "layers", EXIT_INVALID_PLAN),
+                                 # nothing to time on a meta-device model (plan --profile refuses it too)
+                                 (["--size", "paper", "--profile"], "drop --profile", EXIT_ERROR)):
         assert main(["train", "--model", "llama", "--torchrun", *extra]) == code, extra
         assert message in capsys.readouterr().err
     # a file that is not on this machine may be on the cluster's: a note, and the line
