@@ -210,3 +210,52 @@ def test_moves_the_order_bound_rules_out_change_nothing_but_the_work(monkeypatch
     steps = [(ms, origin) for _, ms, origin in full.history]
     assert [(ms, origin) for _, ms, origin in pruned.history][:len(steps)] == steps
     assert pruned.best.iteration_ms <= full.best.iteration_ms + 1e-9
+
+
+def _v_table(big_layers):
+    """DeepSeek-like: a light embedding, equal blocks holding much activation, a light norm, a
+    heavy head and a loss."""
+    mib = 2**20
+    layers = [LayerCost("embed", forward_ms=0.01, backward_ms=0.1, backward_weight_ms=0.1, activation_bytes=0,
+                        output_bytes=16 * mib)]
+    layers += [LayerCost(f"block{i}", forward_ms=1.9, backward_ms=3.8, backward_weight_ms=1.45,
+                         activation_bytes=600 * mib, output_bytes=16 * mib) for i in range(big_layers)]
+    layers += [LayerCost("norm", forward_ms=0.01, backward_ms=0.03, backward_weight_ms=0.005, activation_bytes=16 * mib,
+                         output_bytes=16 * mib),
+               LayerCost("head", forward_ms=1.9 * 1.8, backward_ms=3.8 * 1.8, backward_weight_ms=1.45 * 1.8,
+                         activation_bytes=16 * mib,
+                         output_bytes=100 * mib),
+               LayerCost("loss", forward_ms=1.25, backward_ms=1.25, backward_weight_ms=0.0, activation_bytes=1600 * mib,
+                         output_bytes=4)]
+    return CostTable(layers)
+
+
+def test_under_an_activation_limit_more_microbatches_in_flight_than_the_round_trips_ask_for_win(monkeypatch):
+    # the round-trip caps leave a device's activation budget unused where its stages' round
+    # trips are long: the search beside the main one (DEEPER_POLICIES) fills it, and its plan
+    # is taken only where faster
+    import octopipe.tuner
+
+    costs, cluster = _v_table(6), CLUSTER.with_devices(4)
+    limit, plans = limit_1f1b(costs, cluster, 8, 4)
+    result = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
+    monkeypatch.setattr(octopipe.tuner, "DEEPER_POLICIES", ())
+    without = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
+    assert "deeper in flight" in result.best.origin and "deeper in flight" not in without.best.origin
+    assert result.best.iteration_ms < without.best.iteration_ms - 0.1  # (119.2 vs 119.3 ms here)
+    sim = simulate(result.best.plan, costs, cluster)
+    assert sim.iteration_ms == pytest.approx(result.best.iteration_ms)
+    assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
+    assert result.best.policy.inflight_slack >= 5
+    assert result.work > without.work  # its work is counted
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_the_deeper_search_never_makes_a_plan_slower(seed, monkeypatch):
+    import octopipe.tuner
+
+    costs, cluster, limit, plans = tune_case(seed=seed, p=4, m=8, layers=10)
+    result = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.03, seed=1)
+    monkeypatch.setattr(octopipe.tuner, "DEEPER_POLICIES", ())
+    without = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.03, seed=1)
+    assert result.best.iteration_ms <= without.best.iteration_ms + 1e-9
