@@ -231,17 +231,8 @@ SMALL_PAPER = ["--set", "vocab_size=512", "--set", "hidden_size=64", "--set", "n
 
 def _torchrun_train(extra, tmp_path):
     """`octopipe train` as the printed torchrun line runs it (2 ranks, gloo on this CPU)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "octopipe.cli", "train",
-               "--model", "llama", "--size", "paper", *SMALL_PAPER, "--batch-size", "8", "--microbatches", "4",
-               "--schedule", "zb-h1", "--quiet", *extra]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150, cwd=tmp_path)
+    proc = _torchrun(["train", "--model", "llama", "--size", "paper", *SMALL_PAPER, "--batch-size", "8",
+                      "--microbatches", "4", "--schedule", "zb-h1", "--quiet", *extra], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
 
