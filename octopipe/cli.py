@@ -367,6 +367,16 @@ def _overrides(model: str, size: str, items: list[str]) -> dict[str, Any]:
     return fields
 
 
+def _check_profilable(args: argparse.Namespace, model: Any, instead: str) -> None:
+    """--profile times the model's layers: refused for a model built on the meta device, saying
+    what dropping it gives (`instead`)."""
+    from octopipe.errors import OctopipeError
+
+    if args.profile and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise OctopipeError(f"--profile: the model ({args.model}{' --size paper' if args.size == 'paper' else ''}) is "
+                            f"built on the meta device, which holds no data to time; drop --profile ({instead})")
+
+
 def _on_profiling_device(model: Any, inputs: Any, target: Any) -> tuple[Any, Any, Any]:
     """The model and its batch on this machine's GPU where it has one (a plan for GPUs wants GPU
     costs), else as they are (the CPU); says which on stderr."""
@@ -405,10 +415,7 @@ def _costs_from(args: argparse.Namespace, cluster):
 
     model, inputs, target, loss_fn = _load_model(args)
     if args.profile:
-        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            raise OctopipeError(f"--profile: the model ({args.model}{' --size paper' if args.size == 'paper' else ''}) "
-                                "is built on the meta device, which holds no data to time; drop --profile (analytic "
-                                "costs) or profile a real model (--size tiny)")
+        _check_profilable(args, model, "analytic costs) or profile a real model (--size tiny")
         model, inputs, target = _on_profiling_device(model, inputs, target)
     graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
     micro = microbatch(inputs, args.microbatches)
@@ -857,10 +864,8 @@ def _train_distributed(args: argparse.Namespace) -> int:
     first = None
     if rank == 0:
         try:
-            if args.profile and device.type == "cuda":  # costs measured where the ranks run
-                model = model.to(device)
-                examples = tuple(t.to(device) for t in examples)
-                example_target = example_target.to(device) if example_target is not None else None
+            if args.profile:  # costs measured where the ranks run: this rank's GPU, if any
+                model, examples, example_target = _on_profiling_device(model, examples, example_target)
             first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
                                      loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
                                      costs="profile" if args.profile else "analytic", schedule=args.schedule,
@@ -1002,10 +1007,7 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         raise OctopipeError(f"--batch-size {args.batch_size}: not a multiple of --microbatches {args.microbatches} "
                             "(each microbatch takes an equal share of the batch)")
     model, inputs, target, loss_fn = _load_model(args)  # config fields and values the model refuses
-    if args.profile and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        raise OctopipeError(f"--profile: the model ({args.model}{' --size paper' if args.size == 'paper' else ''}) is "
-                            "built on the meta device, which holds no data to time; drop --profile (rank 0 then "
-                            "plans with analytic costs)")
+    _check_profilable(args, model, "rank 0 then plans with analytic costs")
     if args.schedule and f"--cluster {args.cluster}" not in missing:
         _check_schedule_builds(args, model, inputs, target, loss_fn)
     if args.plan and f"--plan {args.plan}" not in missing:

@@ -73,7 +73,7 @@ import functools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 
@@ -1043,15 +1043,22 @@ def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, n
                      progress=(lambda line: search.progress(f"without recomputation: {line}")) if search.progress else None)
     except PlanError:
         return
-    search.evaluations += plain.evaluations
-    search.ruled_out += plain.ruled_out
-    search.work_beside += plain.work
-    search.cut_short |= plain.cut_short
-    for other in (plain.best, *plain.runners_up):
-        search.keep_if_best_of_shape(other)
+    _take_in(search, plain.evaluations, plain.ruled_out, plain.work, plain.cut_short, (plain.best, *plain.runners_up))
     best = plain.best
     search.plain_best = best
     search.evaluate(best.plan, f"{best.origin} (without recomputation)", best.structure, best.policy)
+
+
+def _take_in(search: _Search, evaluations: int, ruled_out: int, work: int, cut_short: bool,
+             candidates: Iterable[Candidate]) -> None:
+    """Count a search run beside `search` into it, and keep its plans as runners-up where they
+    are the fastest of their shape (its best plan is the caller's to take in)."""
+    search.evaluations += evaluations
+    search.ruled_out += ruled_out
+    search.work_beside += work
+    search.cut_short |= cut_short
+    for candidate in candidates:
+        search.keep_if_best_of_shape(candidate)
 
 
 def _add_deeper_search(search: _Search, structures: Sequence[tuple[Structure, str]], effort: float, seed: int) -> None:
@@ -1078,12 +1085,7 @@ def _add_deeper_search(search: _Search, structures: Sequence[tuple[Structure, st
         _local_search(deeper, start, random.Random(seed))
     if deeper.best is not None and not deeper.exhausted():
         _order_moves(deeper, deeper.best)
-    search.evaluations += deeper.evaluations
-    search.ruled_out += deeper.ruled_out
-    search.work_beside += deeper.work
-    search.cut_short |= deeper.cut_short
-    for other in deeper.best_of_shape.values():
-        search.keep_if_best_of_shape(other)
+    _take_in(search, deeper.evaluations, deeper.ruled_out, deeper.work, deeper.cut_short, deeper.best_of_shape.values())
     best = deeper.best
     if best is not None and (search.best is None or best.iteration_ms < search.best.iteration_ms - 1e-9):
         search.evaluate(best.plan, best.origin, best.structure, best.policy)
