@@ -170,7 +170,9 @@ def plan(
     # 1. baselines, simulated on the same table
     clock = time.perf_counter()
     baseline_plans = schedules.baselines(costs, cluster, num_microbatches, num_devices=p)
-    baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory) for name, plan_ in baseline_plans.items()}
+    # built here for this table (schedules' tests check they validate), so not validated again
+    baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory, validated=True)
+                     for name, plan_ in baseline_plans.items()}
     stage_seconds["baselines"] = time.perf_counter() - clock
     activation_budget = _activation_limit(activation_limit, baseline_sims)
     fallback_bounds, infeasible = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget,
@@ -182,7 +184,7 @@ def plan(
 
     # 2. bounds: whole layers per device (exact bin packing), and one microbatch's chain
     clock = time.perf_counter()
-    bound = balance_bound(costs, p, time_limit_s=max(1.0, 0.2 * time_limit_s))
+    bound = balance_bound(costs, p, time_limit_s=0.2 * time_limit_s)
     # one microbatch's forward, then its input gradients layer by layer (W may run beside them)
     chain_ms = sum(costs.forward) + sum(input_gradients(costs))
     # the release bound only sharpens the report; skip it when the time limit is nearly spent
@@ -199,10 +201,10 @@ def plan(
     if say:
         say(f"tuning {len(costs)} layers on {p} devices x {num_microbatches} microbatches (limit {time_limit_s:.0f}s)")
     try:
-        tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.5, remaining * tuner_share),
+        tuned = tune(costs, cluster, num_microbatches, num_devices=p, time_limit_s=max(0.0, remaining * tuner_share),
                      effort=effort, activation_budget=[activation_budget] * p if activation_budget is not None else None,
                      memory_limit_bytes=memory_limit, memory=memory, seed=seed, start_plans=start_plans,
-                     progress=say, recompute=recompute)
+                     progress=say, recompute=recompute, start_sims=baseline_sims)
     except PlanError as error:
         if fallback_bounds is None:  # no split was known to fit: the limits may be out of reach
             raise InfeasibleError(infeasible) from error

@@ -229,7 +229,9 @@ class SimResult:
     # -- time ---------------------------------------------------------------------------------
     @cached_property
     def device_busy_ms(self) -> tuple[float, ...]:
-        return tuple(sum(self.op_end[op] - self.op_start[op] for op in ops) for ops in self.plan.device_ops)
+        ends, starts, plan = self._ends, self._starts, self.plan
+        keys = [[_slot(plan, op) for op in ops] for ops in plan.device_ops]
+        return tuple(sum(ends[key] - starts[key] for key in device_keys) for device_keys in keys)
 
     @cached_property
     def device_idle_ms(self) -> tuple[float, ...]:

@@ -84,6 +84,7 @@ from octopipe.ir.plan import Op, OpKind, PipelinePlan, Stage
 from octopipe.simulator import (
     LinkQueues,
     MemoryModel,
+    SimResult,
     StageCosts,
     iteration_time,
     message_host_ms,
@@ -671,13 +672,19 @@ class _Search:
             worst = max(worst, max(peak_memory) / self.memory_limit - 1)
         return worst
 
-    def evaluate(self, plan: PipelinePlan, origin: str, structure: Structure, policy: Policy | None) -> Candidate | None:
+    def evaluate(self, plan: PipelinePlan, origin: str, structure: Structure, policy: Policy | None,
+                 simulated: SimResult | None = None) -> Candidate | None:
+        """`plan` simulated and kept where it is the best yet (`simulated`: its simulation, where
+        the caller has it; counted as the same work, so the search's course does not change)."""
         self.evaluations += 1
         self.work += plan.num_ops()
-        try:
-            ms, peak_memory = iteration_time(plan, self.costs, self.cluster, memory=self.memory)
-        except PlanError:
-            return None
+        if simulated is not None:
+            ms, peak_memory = simulated.iteration_ms, simulated.peak_memory_bytes
+        else:
+            try:
+                ms, peak_memory = iteration_time(plan, self.costs, self.cluster, memory=self.memory)
+            except PlanError:
+                return None
         static = self.static_memory(structure)
         peak_activation = tuple(max(0.0, total - fixed) for total, fixed in zip(peak_memory, static))
         candidate = Candidate(plan, ms, peak_activation, peak_memory, self.overshoot(peak_activation, peak_memory),
@@ -895,6 +902,7 @@ def tune(
     progress: Callable[[str], None] | None = None,
     patience: int = 8,
     recompute: bool = True,
+    start_sims: dict[str, SimResult] | None = None,
 ) -> TuneResult:
     """Search partition, placement and order; return the best plan that fits the memory limits.
 
@@ -906,8 +914,10 @@ def tune(
     faster or makes it fit; where it is tried, the search without it runs as well, so its plan is
     never slower than recompute=False's, at up to twice the work). Under an activation limit a
     search beside it runs every structure with more microbatches in flight than the round trips
-    ask for (`_add_deeper_search`, a quarter more work), taken in only where faster. Raises
-    PlanError when no plan it tried fits the limits."""
+    ask for (`_add_deeper_search`, a quarter more work), taken in only where faster. The start
+    plans are all evaluated however short the time limit (`start_sims`: the simulations of those
+    the caller has run, by name, used instead of running them again). Raises PlanError when no
+    plan it tried fits the limits."""
     started = time.perf_counter()
     p = num_devices or cluster.num_devices
     work_limit = int(DEFAULT_WORK * effort)
@@ -918,7 +928,7 @@ def tune(
     # 1. every baseline as given (its order is a template even where it needs too much memory)
     structures: list[tuple[Structure, str]] = []
     for name, plan in sorted((start_plans or {}).items()):
-        candidate = search.evaluate(plan, f"baseline {name}", Structure.of(plan), None)
+        candidate = search.evaluate(plan, f"baseline {name}", Structure.of(plan), None, (start_sims or {}).get(name))
         if candidate is not None:
             starts.append(candidate)
         structures.append((Structure.of(plan), f"{name} structure"))
@@ -932,6 +942,8 @@ def tune(
         recomputing, spent = [], search.work
         for name, plan in sorted((start_plans or {}).items()):
             for again, how in _recomputing(plan, search.selective):
+                if search.exhausted():
+                    break
                 candidate = search.evaluate(again, f"baseline {name}, {how}", Structure.of(again), None)
                 if candidate is not None:
                     recomputing.append(candidate)
@@ -1016,7 +1028,7 @@ def tune(
         # left: the better plan wins, so allowing recomputation never returns a slower plan than
         # forbidding it (unless the time limit cuts that search short)
         _add_plain_search(search, costs, cluster, num_microbatches, p, effort, activation_budget, memory_limit_bytes,
-                          memory, seed, start_plans, patience)
+                          memory, seed, start_plans, patience, start_sims)
     if activation_budget is not None:
         _add_deeper_search(search, list(unique.items()), effort, seed)
     if search.best is None:
@@ -1030,7 +1042,8 @@ def tune(
 def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
                       num_devices: int, effort: float, activation_budget: Sequence[float] | None,
                       memory_limit_bytes: float | None, memory: MemoryModel, seed: int,
-                      start_plans: dict[str, PipelinePlan] | None, patience: int) -> None:
+                      start_plans: dict[str, PipelinePlan] | None, patience: int,
+                      start_sims: dict[str, SimResult] | None) -> None:
     """Run the search without recomputation (its own full work budget, until `search`'s deadline)
     and take in its best plan (where it is faster), runners-up and work; nothing when no plan fits
     without recomputation."""
@@ -1039,7 +1052,7 @@ def _add_plain_search(search: _Search, costs: CostTable, cluster: ClusterSpec, n
         plain = tune(costs, cluster, num_microbatches, num_devices=num_devices,
                      time_limit_s=max(0.0, search.deadline - began), effort=effort,
                      activation_budget=activation_budget, memory_limit_bytes=memory_limit_bytes, memory=memory,
-                     seed=seed, start_plans=start_plans, patience=patience, recompute=False,
+                     seed=seed, start_plans=start_plans, patience=patience, recompute=False, start_sims=start_sims,
                      progress=(lambda line: search.progress(f"without recomputation: {line}")) if search.progress else None)
     except PlanError:
         return

@@ -150,6 +150,26 @@ def test_tune_cut_short_by_the_clock_still_returns_a_valid_plan():
     assert max(simulate(result.best.plan, costs, cluster).peak_activation_bytes) <= limit * (1 + 1e-9)
 
 
+def test_tune_past_its_deadline_evaluates_the_start_plans_alone_and_reuses_their_simulations(monkeypatch):
+    # a time limit already spent: every start plan is still evaluated (the fallback), but nothing
+    # more (the baselines' recomputing variants were simulated past the deadline), and the
+    # simulations the caller passes are not run again
+    import octopipe.tuner as tuner_module
+
+    costs, cluster, limit, plans = tune_case(seed=11, layers=12)
+    result = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, time_limit_s=0.0)
+    assert result.cut_short and result.evaluations == len(plans)
+    sims = {name: simulate(plan, costs, cluster) for name, plan in plans.items()}
+    calls = []
+    real = tuner_module.iteration_time
+    monkeypatch.setattr(tuner_module, "iteration_time", lambda *args, **kw: calls.append(args[0]) or real(*args, **kw))
+    again = tune(costs, cluster, 6, activation_budget=[limit] * 3, start_plans=plans, time_limit_s=0.0,
+                 start_sims=sims)
+    assert not calls and again.evaluations == len(plans)
+    fitting = [s.iteration_ms for s in sims.values() if max(s.peak_activation_bytes) <= limit * (1 + 1e-9)]
+    assert again.best.iteration_ms == result.best.iteration_ms == min(fitting)
+
+
 def test_policy_defaults_split_backward():
     assert Policy().split_backward and any(not p.split_backward for p in POLICIES)
 
