@@ -427,7 +427,7 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
         raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):
         if value is not None and not _below_max_bytes(value):
-            raise ArgumentError(f"plan: {name} must be a positive finite number, got {value!r:.60}")
+            raise ArgumentError(f"plan: {name} must be a positive number below 2**80, got {value!r:.60}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
         raise ArgumentError(f"plan: seed must be an integer in [0, 2**31) (the solver's seed is 32-bit), got {seed!r}")
     if not sum(costs.forward) + sum(costs.backward_full) > 0:

@@ -9,6 +9,7 @@ rank 0 between barriers (median reported), beside the simulator's prediction for
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -146,7 +147,13 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             optimizer.step()
         _clear_grads(engine)
 
+    # a warm-up without an update leaves no trace: the buffers it ran through (batch statistics),
+    # the stages' dropout streams and the loss scale are put back as they were before it
+    before = [copy.deepcopy(engine.state_dict()) for engine in engines] if warmup and not update_in_warmup else []
     for step in range(warmup + steps):
+        if before and step == warmup:
+            for engine, state in zip(engines, before):
+                engine.load_state_dict(state)
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
             probe = index < len(probes) and probes[index] and step >= warmup
@@ -195,8 +202,9 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
     `clip_grad` across ranks (`Engine.clip_grad_norm_`) when given. `update_in_warmup=False`:
-    the warm-up steps run forward and backward only (the gradients are dropped), so the model
-    takes exactly `steps` updates and the first loss is the starting model's."""
+    the warm-up steps run forward and backward only (the gradients are dropped) and leave no trace
+    (buffers, dropout streams and loss scale are restored after them), so the model takes exactly
+    `steps` updates and the steps draw what they would without the warm-up."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup)[0][0]
 

@@ -113,6 +113,7 @@ def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str
 
 _positive_int = _bounded(int, lambda value: value >= 1, "a positive integer")
 _positive_float = _bounded(float, lambda value: 0 < value < math.inf, "a positive number")
+_effort = _bounded(float, lambda value: 0 < value < 2**80, "a positive number below 2**80 (a factor on the work)")
 _percent = _bounded(float, lambda value: 0 <= value < 100, "a percentage in [0, 100) (2 = 2%)")
 _seed = _bounded(int, lambda value: 0 <= value < 2**63, "a non-negative integer")
 
@@ -234,24 +235,29 @@ def _fail(exc: Exception, code: int) -> int:
 
 # -- shared options -------------------------------------------------------------------------------
 
-def _cluster(args: argparse.Namespace, default: str = "h100x8"):
+def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | None = None, flag: str = "--devices"):
+    """--cluster (else `default`) on `devices` devices (default: --devices, where the command has
+    it): a preset takes any count, a spec file at most the devices it describes."""
     from octopipe.cluster import ClusterSpec
 
     spec = args.cluster or default
     cluster = ClusterSpec.of(spec, "--cluster")
-    if getattr(args, "devices", None):
-        if args.devices > cluster.num_devices and Path(spec).suffix:
+    devices = devices or getattr(args, "devices", None)
+    if devices and devices != cluster.num_devices:
+        if devices > cluster.num_devices and ClusterSpec.names_file(spec):
             from octopipe.errors import ClusterSpecError
 
-            raise ClusterSpecError(f"--devices {args.devices} exceeds the {cluster.num_devices} devices of {spec}")
-        cluster = cluster.with_devices(args.devices)
+            raise ClusterSpecError(f"{flag} {devices} exceeds the {cluster.num_devices} devices of {spec}; describe "
+                                   f"{devices} devices there (num_devices) or use at most {cluster.num_devices}")
+        cluster = cluster.with_devices(devices)
     return cluster
 
 
 def _load_model(args: argparse.Namespace):
     """(model, inputs, target, loss_fn) from --model: a built-in name (with --size, --set,
     --batch-size, --seq-len) or `module:factory`, a function of no arguments that returns a dict
-    with keys model, inputs, and optionally target and loss_fn (it makes its own batch)."""
+    with keys model, inputs, and optionally target and loss_fn (it makes its own batch; it is
+    called after torch.manual_seed(0), as the built-in models are built)."""
     import torch
     from torch import nn
 
@@ -270,6 +276,10 @@ def _load_model(args: argparse.Namespace):
     if not module_name or not factory_name:
         raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or "
                             "module:factory (a module on the Python path and a function in it)")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        name = Path(module_name).stem
+        raise OctopipeError(f"--model {spec!r}: name the module as Python imports it ({name}:{factory_name}, run "
+                            "from its folder or with that folder on PYTHONPATH), not as a file path")
     _factory_options(args)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: a factory module in the current folder
@@ -282,6 +292,9 @@ def _load_model(args: argparse.Namespace):
     if not callable(factory):
         raise OctopipeError(f"--model {spec!r}: {factory_name} is a {type(factory).__name__}, not a function")
     try:
+        # seeded as the built-in models are: a factory that draws its weights or its batch
+        # without seeding builds the same on every rank of a torchrun job, and locally
+        torch.manual_seed(0)
         made = factory()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's code: report it as theirs (OCTOPIPE_DEBUG=1 shows the traceback)
         raise OctopipeError(f"--model {spec!r}: {factory_name}() raised {type(exc).__name__}: {exc}; the factory "
@@ -750,9 +763,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError("train --size paper: a paper-size model does not fit this machine; it trains across GPUs "
                             "under torchrun, where each rank creates only its own stages (--torchrun prints the "
                             "line); here use --size tiny")
-    cluster = _cluster(args, default=f"cpux{args.nprocs}")
-    if cluster.num_devices != args.nprocs:
-        cluster = cluster.with_devices(args.nprocs)
+    cluster = _cluster(args, default=f"cpux{args.nprocs}", devices=args.nprocs, flag="--nprocs")
     model, inputs, target, loss_fn = _load_model(args)
     _need_target(args, target)
     if any(param.is_meta for param in model.parameters()):
@@ -847,19 +858,15 @@ def _train_distributed(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cluster = _cluster(args, default=f"h100x{world_size}")
-    if cluster.num_devices != world_size:
-        cluster = cluster.with_devices(world_size)
+    cluster = _cluster(args, default=f"h100x{world_size}", devices=world_size, flag="the job's world size")
     model, inputs, target, loss_fn = _load_model(args)
     _need_target(args, target)
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
     # and each rank creates only its own stages, on its own GPU
     on_meta = any(param.is_meta for param in model.parameters())
-    examples, example_target = inputs, target
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
-        examples = tuple(t.to("meta") for t in inputs)
-        example_target = target.to("meta") if target is not None else None
+    examples, example_target = _examples(inputs, target, on_meta)
     plan_text: list[Any] = [None]
     first = None
     if rank == 0:
@@ -892,6 +899,10 @@ def _train_distributed(args: argparse.Namespace) -> int:
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
         init = models.init_module
+    else:
+        # as local train seeds its engines (bench._train_worker): the stages' dropout streams
+        # derive from it, so both draw the same masks whatever the factory seeded last
+        torch.manual_seed(0)
     engine = pipe.engine(rank, device=device, init=init)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
@@ -929,7 +940,8 @@ RANK0_FAILED = "rank 0 failed"
 
 def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[tuple, Any]:
     """The training batch for a model built on the meta device: a built-in model's example batch
-    made on the CPU; a factory must return real inputs (only the model may be on meta)."""
+    made on the CPU; a factory must return real inputs (only the model may be on meta), and its
+    weights come from --init (each rank loads its stages' share)."""
     import torch
 
     from octopipe import models
@@ -941,6 +953,10 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
     if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
         raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
                             "batch (the model alone may be on meta)")
+    if not args.init:
+        raise OctopipeError(f"train --model {args.model}: the factory's model is on the meta device, which holds no "
+                            "weights; give --init CHECKPOINT (each rank loads its own stages' weights from it) or "
+                            "build the model on a real device")
     return inputs, target
 
 
@@ -950,17 +966,13 @@ def torchrun_command(args: argparse.Namespace) -> str:
     import shlex
 
     from octopipe import models
-    from octopipe.errors import OctopipeError
 
-    if args.nprocs > 8 and args.nprocs % 8:
-        raise OctopipeError(f"--nprocs {args.nprocs}: torchrun starts as many processes on every node (of 8 GPUs); "
-                            "use 8 or fewer, or a multiple of 8")
     builtin = args.model in models.MODEL_NAMES
     if builtin:
         _overrides(args.model, args.size, args.set)  # unknown fields and wrong types fail here, not on every rank
     else:
         _factory_options(args)
-    _check_before_launch(args, builtin)
+    per_node = _check_before_launch(args, builtin)
     words = ["-m", "octopipe.cli", "train", "--model", args.model]
     if builtin:
         words += ["--size", args.size, "--batch-size", str(args.batch_size)]
@@ -977,29 +989,42 @@ def torchrun_command(args: argparse.Namespace) -> str:
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
-    nodes, per_node = max(1, -(-args.nprocs // 8)), min(args.nprocs, 8)
+    nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 {shlex.join(words)}")
 
 
-def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
+PLAN_CHECK_EFFORT = 1e-6
+"""The planner's effort where `train --torchrun` compiles the model before printing the line:
+the baselines and the first plans of the search, a few seconds for a paper-size model."""
+
+
+def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     """What every rank would refuse at its start, refused here, before a cluster's worth of
-    processes is launched: the schedule name, the model and its batch, and, where the files are
-    on this machine too, the cluster spec and a plan that does not fit the model or its
-    microbatches (a file that is not here is left to the ranks, which may see it where they run:
-    a note says so)."""
+    processes is launched: the schedule name, the model, its batch and its target, and, where the
+    files are on this machine too, the cluster spec and a plan that does not fit the model or its
+    microbatches, then the whole compile as rank 0 will run it (its search cut short). A file that is not here is left to the ranks, which may see it
+    where they run: a note says so. Returns the processes torchrun starts on each node."""
     from octopipe import schedules
+    from octopipe.cluster import ClusterSpec
     from octopipe.errors import OctopipeError
 
     missing = [f"{flag} {path}" for flag, path in (("--cluster", args.cluster), ("--plan", args.plan),
                                                     ("--init", args.init))
-               if path and not Path(path).exists()
-               and (flag != "--cluster" or Path(path).suffix in (".yaml", ".yml", ".json"))]  # (else a preset)
+               if path and not Path(path).exists() and (flag != "--cluster" or ClusterSpec.names_file(path))]
     if missing:
         print(f"note: {', '.join(missing)}: not on this machine, so not checked here; every rank reads it where it "
               "runs", file=sys.stderr)
-    if args.cluster is not None and f"--cluster {args.cluster}" not in missing:
-        _cluster(args)
+    cluster = None
+    if f"--cluster {args.cluster}" not in missing:
+        cluster = _cluster(args, default=f"h100x{args.nprocs}", devices=args.nprocs, flag="--nprocs")
+    # torchrun starts as many processes on every node: the cluster's nodes (8 GPUs a node where
+    # its spec is not on this machine)
+    per_node = cluster.devices_per_node if cluster is not None else 8
+    if args.nprocs > per_node and args.nprocs % per_node:
+        raise OctopipeError(f"--nprocs {args.nprocs}: torchrun starts as many processes on every node (of "
+                            f"{per_node} GPUs{f' in {args.cluster}' if cluster is not None and args.cluster else ''}); "
+                            f"use {per_node} or fewer, or a multiple of {per_node}")
     if args.schedule and args.schedule not in schedules.NAMES:
         raise OctopipeError(f"--schedule {args.schedule!r}: not a baseline schedule; use one of "
                             f"{', '.join(schedules.NAMES)}")
@@ -1007,9 +1032,12 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         raise OctopipeError(f"--batch-size {args.batch_size}: not a multiple of --microbatches {args.microbatches} "
                             "(each microbatch takes an equal share of the batch)")
     model, inputs, target, loss_fn = _load_model(args)  # config fields and values the model refuses
+    _need_target(args, target)
     _check_profilable(args, model, "rank 0 then plans with analytic costs")
-    if args.schedule and f"--cluster {args.cluster}" not in missing:
-        _check_schedule_builds(args, model, inputs, target, loss_fn)
+    on_meta = any(param.is_meta for param in model.parameters())
+    if on_meta:
+        inputs, target = _real_batch(args, inputs, target)
+    plan_ = None
     if args.plan and f"--plan {args.plan}" not in missing:
         from octopipe.api import _warn_planned_elsewhere, load_saved_plan
         from octopipe.passes.codegen import microbatch
@@ -1018,7 +1046,8 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         plan_ = load_saved_plan(args.plan).plan
         if plan_.num_microbatches != args.microbatches:
             raise _other_microbatches(args.microbatches, args.plan, plan_.num_microbatches)
-        graph = trace(model, inputs, loss_fn=loss_fn if target is not None else None, example_target=target)
+        examples, example_target = _examples(inputs, target, on_meta)
+        graph = trace(model, examples, loss_fn=loss_fn, example_target=example_target)
         layers = len(graph.layers)
         if layers != plan_.num_layers:
             raise _other_layers(f"--plan {args.plan}", plan_.num_layers, f"--model {args.model}", layers,
@@ -1026,23 +1055,37 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> None:
         # what compile warns about on every rank, said once here (--torchrun only prints the line)
         _warn_planned_elsewhere(args.plan, graph.model, layers, microbatch(inputs, args.microbatches), args.microbatches,
                                 where=f"--plan {args.plan}")
+    if cluster is not None and (plan_ is not None or not args.plan):
+        _check_compiles(args, cluster, model, inputs, target, loss_fn, plan_)
+    return per_node
 
 
-def _check_schedule_builds(args: argparse.Namespace, model: Any, inputs: tuple, target: Any, loss_fn: Any) -> None:
-    """A baseline schedule the ranks could not build (too few microbatches or layers for its
-    family on this many ranks per replica) refused before launch: compiled here as rank 0 will
-    compile it, on the cluster the ranks take."""
+def _examples(inputs: tuple, target: Any, on_meta: bool) -> tuple[tuple, Any]:
+    """The example batch a model is traced on: on the meta device where the model is."""
+    if not on_meta:
+        return inputs, target
+    return tuple(t.to("meta") for t in inputs), (target.to("meta") if target is not None else None)
+
+
+def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, inputs: tuple, target: Any, loss_fn: Any,
+                    plan: Any) -> None:
+    """Compiled here as rank 0 will compile it, on the cluster the ranks take (with analytic
+    costs), so a schedule the ranks could not build (too few microbatches or layers for its family
+    on this many ranks per replica), a batch that does not split into the microbatches, more
+    ranks than layers and replicas the cluster cannot hold are refused before launch. Where rank 0
+    plans, the search here is cut to its first steps (`PLAN_CHECK_EFFORT`): its memory verdict is
+    left to rank 0's whole search, which may find a plan where the first steps find none."""
     import octopipe
+    from octopipe.errors import InfeasibleError
 
-    cluster = _cluster(args, default=f"h100x{args.nprocs}")
-    if cluster.num_devices != args.nprocs:
-        cluster = cluster.with_devices(args.nprocs)
-    on_meta = any(param.is_meta for param in model.parameters())
-    examples = tuple(t.to("meta") for t in inputs) if on_meta else inputs
-    example_target = target.to("meta") if on_meta and target is not None else target
-    octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
-                     num_microbatches=args.microbatches, schedule=args.schedule, quiet=True, autocast=args.autocast,
-                     data_parallel=args.data_parallel)
+    examples, example_target = _examples(inputs, target, any(param.is_meta for param in model.parameters()))
+    try:
+        octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
+                         num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
+                         effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel)
+    except InfeasibleError:
+        if plan is not None or args.schedule:
+            raise
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -1106,7 +1149,7 @@ def _parser() -> argparse.ArgumentParser:
                         "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
                         "keep the fastest step")
     p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--effort", type=_positive_float, default=1.0,
+    p.add_argument("--effort", type=_effort, default=1.0,
                    help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "
                         "--effort and --seed, not on the machine, unless --time-limit cuts the search short")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -1167,7 +1210,7 @@ def _parser() -> argparse.ArgumentParser:
                         "built on the meta device (--size paper) is created from it on each rank (default there: "
                         "the built-in model's own initialization, drawn per rank)")
     p.add_argument("--time-limit", type=_positive_float, default=None, help="planner seconds (default 10)")
-    p.add_argument("--effort", type=_positive_float, default=None,
+    p.add_argument("--effort", type=_effort, default=None,
                    help="scale the planner's work budget (default 1; see plan --effort)")
     p.add_argument("--cluster", default=None,
                    help="cluster spec for planning (default: cpuxN locally, h100xN under torchrun)")

@@ -180,7 +180,7 @@ class ClusterSpec:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
+        if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
             path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -195,7 +195,7 @@ class ClusterSpec:
 
         path = Path(path)
         text = read_text(path, ClusterSpecError, "cluster spec")
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json":
             data = parse_json(text, str(path), ClusterSpecError)
         else:
             data = parse_yaml(text, str(path), ClusterSpecError)
@@ -213,12 +213,17 @@ class ClusterSpec:
         preset it names (`h100x8`, `cpux2`, ...)."""
         if isinstance(spec, ClusterSpec):
             return spec
-        if isinstance(spec, Path) or (isinstance(spec, str) and Path(spec).suffix in (".yaml", ".yml", ".json")):
+        if isinstance(spec, Path) or (isinstance(spec, str) and cls.names_file(spec)):
             return cls.load(spec)
         if isinstance(spec, str):
             return cls.preset(spec)
         raise ClusterSpecError(f"{where}: expected a ClusterSpec, a preset name (h100x8, cpux2, ...) or a spec file "
                                f"(.yaml/.json), got {type(spec).__name__}")
+
+    @staticmethod
+    def names_file(spec: str | Path) -> bool:
+        """Whether `spec` names a spec file (.yaml, .yml or .json, in any case), not a preset."""
+        return Path(spec).suffix.lower() in (".yaml", ".yml", ".json")
 
     @classmethod
     def preset(cls, name: str, num_devices: int | None = None) -> ClusterSpec:

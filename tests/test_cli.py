@@ -881,3 +881,100 @@ def test_profile_of_a_model_on_the_meta_device_is_bad_input(capsys):
                  "--microbatches", "8", "--quiet"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "--profile" in err and "meta device" in err and "drop --profile" in err
+
+
+MORE_FACTORIES = '''
+import torch
+from torch import nn
+
+def dropout():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 16),
+                          nn.Dropout(0.3), nn.Linear(16, 32))
+    return {"model": model, "inputs": torch.randint(0, 32, (8, 6)), "target": torch.randint(0, 32, (8, 6))}
+
+def unseeded():
+    return {"model": nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "inputs": torch.randn(8, 4),
+            "target": torch.randn(8, 4), "loss_fn": torch.nn.functional.mse_loss}
+
+def on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return {"model": model, "inputs": torch.zeros(8, 4), "target": torch.zeros(8, 4),
+            "loss_fn": torch.nn.functional.mse_loss}
+'''
+
+
+def _factories_here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "facts.py").write_text(FACTORIES)
+    (tmp_path / "more.py").write_text(MORE_FACTORIES)
+    for module in ("facts", "more"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def test_torchrun_line_refuses_what_the_ranks_would_and_takes_the_nodes_and_devices_of_the_cluster(
+        tmp_path, monkeypatch, capsys):
+    # found by fuzzing the torchrun line with factories, --effort and cluster files: each of these
+    # printed a line that every rank then failed on, or a line for the wrong node layout, or
+    # trained on more devices than the cluster file describes
+    import argparse
+
+    import torch
+
+    from octopipe.cli import _load_model
+
+    _factories_here(tmp_path, monkeypatch)
+    train = ["train", "--torchrun", "--model"]
+    assert "has no 'target'" in _error(train + ["facts:no_target"], capsys)
+    assert "give --init CHECKPOINT" in _error(train + ["more:on_meta"], capsys)
+    assert "not divisible into 3 equal microbatches" in _error(train + ["facts:good", "--microbatches", "3"], capsys)
+    with pytest.raises(SystemExit) as info:
+        main(train + ["facts:good", "--effort", "1e25"])
+    assert info.value.code == EXIT_USAGE and "below 2**80" in capsys.readouterr().err
+    (tmp_path / "dp2.json").write_text(json.dumps({"num_devices": 4, "data_parallel": 2, "name": "dp2"}))
+    assert "already one of 2 replicas" in _error(train + ["facts:good", "--cluster", "dp2.json", "--nprocs", "4",
+                                                          "--data-parallel", "2"], capsys)
+    # torchrun's processes per node are the cluster's
+    (tmp_path / "four.json").write_text(json.dumps({"num_devices": 16, "devices_per_node": 4, "name": "four"}))
+    assert main(train + ["llama", "--size", "paper", "--cluster", "four.json", "--nprocs", "16"]) == EXIT_OK
+    assert "torchrun --nnodes 4 --nproc-per-node 4 " in capsys.readouterr().out
+    assert "of 4 GPUs in four.json" in _error(train + ["llama", "--size", "paper", "--cluster", "four.json",
+                                                       "--nprocs", "10"], capsys)
+    # a spec file is not grown to --nprocs (a preset is); its suffix in any case names a file
+    (tmp_path / "C2.JSON").write_text(json.dumps({"num_devices": 2, "name": "c2"}))
+    assert "--nprocs 4 exceeds the 2 devices of C2.JSON" in _error(train + ["facts:good", "--cluster", "C2.JSON",
+                                                                          "--nprocs", "4"], capsys)
+    assert "exceeds the 2 devices" in _error(["train", "--model", "facts:good", "--cluster", "C2.JSON", "--nprocs", "4",
+                                              "--steps", "1"], capsys)
+    assert main(train + ["facts:good", "--cluster", "C2.JSON"]) == EXIT_OK
+    capsys.readouterr()
+    assert "name the module as Python imports it (facts:good" in _error(train + ["./facts.py:good"], capsys)
+    # a factory that draws without seeding builds the same model and batch on every rank
+    args = argparse.Namespace(model="more:unseeded", model_options=[])
+    made = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model, inputs, target, _ = _load_model(args)
+        made.append((torch.cat([p.flatten() for p in model.parameters()]), inputs[0], target))
+    assert all(torch.equal(a, b) for a, b in zip(*made))
+
+
+@pytest.mark.timeout(300)
+def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_path, monkeypatch, capsys):
+    # found by fuzzing: local train's warm-up step advanced the stages' dropout streams, and the
+    # ranks seeded them from whatever the factory seeded last, so local step k was torchrun's k+1
+    _factories_here(tmp_path, monkeypatch)
+    assert main(["plan", "--model", "more:dropout", "--cluster", "cpux2", "--microbatches", "4", "--time-limit", "2",
+                 "--quiet", "-o", "p.json"]) == EXIT_OK
+    words = ["train", "--model", "more:dropout", "--plan", "p.json", "--microbatches", "4", "--steps", "3",
+             "--lr", "0.5", "--quiet"]
+    capsys.readouterr()
+    assert main(words) == EXIT_OK
+    local = [line.split()[3] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    proc = _torchrun(words, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(local) == 3 and local == ranks, (local, ranks)
+    assert len(set(local)) == 3  # the model learns: an update between steps, not the same step thrice
