@@ -911,14 +911,19 @@ class Engine:
             state["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
-        state["random"] = {self._stream_key(index): self._random[index] for index in self.stages}
+        state["random"] = self._streams()
         return state
 
-    def _stream_key(self, index: int) -> str:
+    def _streams(self) -> dict[str, Any]:
+        """This rank's stages' dropout streams, by `_stream_key`."""
+        return {self._stream_key(index): self._random[index] for index in self.stages}
+
+    def _stream_key(self, index: int, replica: int | None = None) -> str:
         """What names stage `index`'s dropout stream in a checkpoint: its index and a digest of its
         parameters' names and its traced code (which tells apart stages without parameters), so a
         resume restores it only into the same stage of the same plan (a stage of another plan
-        draws from its own stream)."""
+        draws from its own stream); and the replica, after the first (default: this rank's), whose
+        ranks may have drawn other streams (seeded apart)."""
         import hashlib
 
         stage = self.stages[index]
@@ -926,7 +931,9 @@ class Engine:
         # a stage split for torch.compile calls the same split linear by its other name
         # (passes/split_backward.py): one stage, one stream, compiled or not
         parts.append(str(getattr(stage.module, "code", "")).replace("split_linear_uncompiled", "split_linear"))
-        return f"stage {index} {hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:16]}"
+        key = f"stage {index} {hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:16]}"
+        replica = self.replicas.replica if replica is None else replica
+        return f"{key} replica {replica}" if replica else key
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load the entries this rank holds from a full (merged) state or a shard."""
@@ -944,7 +951,8 @@ class Engine:
         streams = state.get("random")
         if isinstance(streams, Mapping):
             for index in self.stages:
-                saved = streams.get(self._stream_key(index))
+                # a replica's own stream, else the first replica's (a checkpoint of fewer replicas)
+                saved = streams.get(self._stream_key(index), streams.get(self._stream_key(index, 0)))
                 if saved is not None:
                     cpu_state, cuda_state = saved
                     keep_cuda = self._random[index][1]
@@ -953,8 +961,8 @@ class Engine:
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
-        replicas, replica 0's ranks hold it all; the others send nothing."""
-        shard = self.state_dict() if self.replicas.replica == 0 else {"model": {}}
+        replicas, replica 0's ranks hold it all; the others send only their dropout streams."""
+        shard = self.state_dict() if self.replicas.replica == 0 else {"model": {}, "random": self._streams()}
         if self.world_size == 1 or not dist.is_initialized():
             return merge_state_dicts([shard])
         cpu_shard = _to_cpu(shard)

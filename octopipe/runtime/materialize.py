@@ -17,7 +17,7 @@ its own device, and fills them from `init`:
 
 Non-persistent buffers (tables a module computes in `__init__`, like RoPE's cos/sin) are in no
 checkpoint: a module that owns one recomputes it in a `reset_buffers()` method, which is called
-first. Nothing is left silently uninitialized: floating-point tensors are created filled with
+first (in place or assigned anew: every holder of the buffer gets the new one). Nothing is left silently uninitialized: floating-point tensors are created filled with
 NaN and integer ones with their type's minimum, and a tensor that still holds that after `init`
 is an error naming it (boolean buffers cannot be checked this way).
 
@@ -77,13 +77,29 @@ def materialize(stages: Sequence[StageModule], device: torch.device, init: Init 
         _move(modules, device)  # whatever was real already (a buffer built outside the meta context)
         with torch.no_grad():
             _call_each(modules, "reset_buffers")
+        _follow_reassigned(replaced, created)
         _fill(stages, modules, init, device, rank)
+        _follow_reassigned(replaced, created)
         _check_initialized(stages, rank, init)
     except BaseException:
         for table, name, tensor in reversed(replaced):
             table[name] = tensor
         raise
     return True
+
+
+def _follow_reassigned(replaced: Sequence[tuple[dict[str, Any], str, torch.Tensor]],
+                       created: Mapping[int, torch.Tensor]) -> None:
+    """A tensor `reset_buffers` or `init` assigned anew (`self.table = ...`, the usual idiom)
+    lands in its owner's table only: every other holder of the tensor it replaced (a stage
+    module's own attribute) takes it too."""
+    now = {}
+    for table, name, old in replaced:
+        if table[name] is not created[id(old)]:
+            now[id(created[id(old)])] = table[name]
+    for table, name, old in replaced:
+        if table[name] is created[id(old)] and id(table[name]) in now:
+            table[name] = now[id(table[name])]
 
 
 def is_checkpoint(init: Init) -> bool:

@@ -189,3 +189,48 @@ def test_a_meta_model_with_real_examples_is_told_where_each_is():
     with pytest.raises(ArgumentError, match="the model is on a real device but example_target is on the meta device"):
         octopipe.compile(real, "cpux2", example_inputs=inputs, example_target=target.to("meta"),
                          loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b", quiet=True)
+
+
+class _Tables(torch.nn.Module):
+    """Two non-persistent tables, read by the last layer, that reset_buffers assigns anew."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.register_buffer("scale", self._scale(), persistent=False)
+        self.register_buffer("mask", self._mask(), persistent=False)
+
+    def _scale(self):
+        return torch.linspace(0.5, 1.5, 8)
+
+    def _mask(self):
+        return torch.arange(8) % 2 == 0
+
+    def reset_buffers(self):
+        self.scale = self._scale()  # the usual idiom: assigned, not copied in
+        self.mask = self._mask()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale * self.mask
+
+
+def test_tables_reset_buffers_assigns_anew_reach_the_stages_that_read_them():
+    # found by fuzzing: the stage module kept the placeholder of a table reset_buffers assigned
+    # anew (only its owner's attribute took the new one): a float table was refused as unset
+    # although reset_buffers exists, a boolean one silently masked everything
+    torch.manual_seed(0)
+    plain = _Tables()
+    with torch.device("meta"):
+        model = _Tables()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpu", num_devices=2), example_inputs=(x.to("meta"),),
+                            example_target=y.to("meta"), loss_fn=torch.nn.functional.mse_loss, num_microbatches=2,
+                            schedule="1f1b", quiet=True)
+    engine = pipe.engine(1, init=plain.state_dict())
+    held = {id(b): b for stage in engine.stages.values() for b in stage.module.buffers()}
+    assert len(held) == 2
+    assert sorted(map(str, (b.dtype for b in held.values()))) == ["torch.bool", "torch.float32"]
+    for table in held.values():
+        assert torch.equal(table, plain.scale if table.dtype == torch.float32 else plain.mask)
