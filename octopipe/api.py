@@ -876,8 +876,8 @@ def compile(
     cluster: a ClusterSpec, a preset name ("cpux2", "h100x8") or a spec file. example_inputs: one full batch of model inputs, cut along dim 0 into `num_microbatches`
     equal microbatches. loss_fn(output, target) -> scalar mean loss. example_target: a target
     batch; with it the loss is traced as the last layer (and costed), without it the last stage
-    applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device) or a
-    CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
+    applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device, the
+    layers as traced: eager even with compile_stages) or a CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
     name (e.g. "zb-v") with `partition` ("balanced" or "uniform"). compile_stages: wrap each stage
     in torch.compile (Inductor: Triton kernels on a GPU, C++ on a CPU, slow to compile there; each
     rank compiles its stages where they first run, so the pipeline pickles as an eager one does); in
@@ -1295,6 +1295,9 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
     if costs == "profile":
         from octopipe.passes.profile import profile_costs
 
+        if graph.module is not None and any(t.is_meta for t in (*graph.module.parameters(), *graph.module.buffers())):
+            raise ArgumentError("compile: costs='profile' times the layers, but the model is on the meta device (no "
+                                "data to run); use costs='analytic' (or a cost table profiled on a real copy)")
         return profile_costs(graph, micro, example_target=micro_target if graph.layers[-1].kind == "loss" else None,
                              autocast=autocast, num_microbatches=num_microbatches)
     if isinstance(costs, (str, Path)) and Path(costs).suffix in (".json", ".yaml", ".yml"):

@@ -87,6 +87,16 @@ def test_a_meta_model_needs_init():
     assert "octopipe.models.init_module" in str(error.value)
 
 
+def test_a_meta_model_cannot_be_profiled_and_compile_says_which_costs_to_use():
+    # was an ExecutionError from inside the profiling pass, naming an internal function
+    with torch.device("meta"):
+        model = models.build("llama")
+        inputs, target = models.example_inputs("llama", batch_size=4), models.example_target("llama", batch_size=4)
+    with pytest.raises(ArgumentError, match=r"costs='profile' .* meta device .* use costs='analytic'"):
+        octopipe.compile(model, "cpux2", example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
+                         num_microbatches=4, costs="profile", quiet=True)
+
+
 @pytest.mark.parametrize("init, message", [
     (lambda module: None, r"rank 0: \d+ tensors .* left uninitialized .*'embed.weight'.*init did not set them"),
     ({"model": {}}, r"rank 0: init checkpoint has no value for \d+ parameters .*'embed.weight'"),
