@@ -996,15 +996,16 @@ def torchrun_command(args: argparse.Namespace) -> str:
 
 PLAN_CHECK_EFFORT = 1e-6
 """The planner's effort where `train --torchrun` compiles the model before printing the line:
-the baselines and the first plans of the search, a few seconds for a paper-size model."""
+the baselines and the first plans of the search, not the whole search rank 0 runs."""
 
 
 def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     """What every rank would refuse at its start, refused here, before a cluster's worth of
     processes is launched: the schedule name, the model, its batch and its target, and, where the
     files are on this machine too, the cluster spec and a plan that does not fit the model or its
-    microbatches, then the whole compile as rank 0 will run it (its search cut short). A file that is not here is left to the ranks, which may see it
-    where they run: a note says so. Returns the processes torchrun starts on each node."""
+    microbatches, then the whole compile as rank 0 will run it (its search cut short). A file
+    that is not here is left to the ranks, which may see it where they run: a note says so.
+    Returns the processes torchrun starts on each node."""
     from octopipe import schedules
     from octopipe.cluster import ClusterSpec
     from octopipe.errors import OctopipeError
@@ -1037,6 +1038,7 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     on_meta = any(param.is_meta for param in model.parameters())
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
+    examples, example_target = _examples(inputs, target, on_meta)
     plan_ = None
     if args.plan and f"--plan {args.plan}" not in missing:
         from octopipe.api import _warn_planned_elsewhere, load_saved_plan
@@ -1046,7 +1048,6 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
         plan_ = load_saved_plan(args.plan).plan
         if plan_.num_microbatches != args.microbatches:
             raise _other_microbatches(args.microbatches, args.plan, plan_.num_microbatches)
-        examples, example_target = _examples(inputs, target, on_meta)
         graph = trace(model, examples, loss_fn=loss_fn, example_target=example_target)
         layers = len(graph.layers)
         if layers != plan_.num_layers:
@@ -1056,7 +1057,7 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
         _warn_planned_elsewhere(args.plan, graph.model, layers, microbatch(inputs, args.microbatches), args.microbatches,
                                 where=f"--plan {args.plan}")
     if cluster is not None and (plan_ is not None or not args.plan):
-        _check_compiles(args, cluster, model, inputs, target, loss_fn, plan_)
+        _check_compiles(args, cluster, model, examples, example_target, loss_fn, plan_)
     return per_node
 
 
@@ -1067,8 +1068,8 @@ def _examples(inputs: tuple, target: Any, on_meta: bool) -> tuple[tuple, Any]:
     return tuple(t.to("meta") for t in inputs), (target.to("meta") if target is not None else None)
 
 
-def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, inputs: tuple, target: Any, loss_fn: Any,
-                    plan: Any) -> None:
+def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples: tuple, example_target: Any,
+                    loss_fn: Any, plan: Any) -> None:
     """Compiled here as rank 0 will compile it, on the cluster the ranks take (with analytic
     costs), so a schedule the ranks could not build (too few microbatches or layers for its family
     on this many ranks per replica), a batch that does not split into the microbatches, more
@@ -1078,7 +1079,6 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, inputs: 
     import octopipe
     from octopipe.errors import InfeasibleError
 
-    examples, example_target = _examples(inputs, target, any(param.is_meta for param in model.parameters()))
     try:
         octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
