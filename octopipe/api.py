@@ -877,8 +877,9 @@ def compile(
     equal microbatches. loss_fn(output, target) -> scalar mean loss. example_target: a target
     batch; with it the loss is traced as the last layer (and costed), without it the last stage
     applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device, the
-    layers as traced: eager even with compile_stages) or a CostTable. plan: a saved plan (path or PipelinePlan) to skip the search. schedule: a baseline
-    name (e.g. "zb-v") with `partition` ("balanced" or "uniform"). compile_stages: wrap each stage
+    layers as traced: eager even with compile_stages) or a CostTable. plan: a saved plan (path or
+    PipelinePlan) to skip the search. schedule: a baseline name (e.g. "zb-v") with `partition`
+    ("balanced" or "uniform"). compile_stages: wrap each stage
     in torch.compile (Inductor: Triton kernels on a GPU, C++ on a CPU, slow to compile there; each
     rank compiles its stages where they first run, so the pipeline pickles as an eager one does); in
     fp32 equal to eager stages to float rounding; under bf16 or fp16 autocast off by what 16-bit

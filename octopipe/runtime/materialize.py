@@ -17,9 +17,10 @@ its own device, and fills them from `init`:
 
 Non-persistent buffers (tables a module computes in `__init__`, like RoPE's cos/sin) are in no
 checkpoint: a module that owns one recomputes it in a `reset_buffers()` method, which is called
-first (in place or assigned anew: every holder of the buffer gets the new one). Nothing is left silently uninitialized: floating-point tensors are created filled with
-NaN and integer ones with their type's minimum, and a tensor that still holds that after `init`
-is an error naming it (boolean buffers cannot be checked this way).
+first (in place or assigned anew: every holder of the buffer gets the new one). Nothing is left
+silently uninitialized: floating-point tensors are created filled with NaN and integer ones with
+their type's minimum, and a tensor that still holds that after `init` is an error naming it
+(boolean buffers cannot be checked this way).
 
 Glossary: *materialize* = replace a meta tensor by a real one on the device; *tied* = one
 parameter object held by several modules (it stays one object).
