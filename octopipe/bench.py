@@ -540,13 +540,14 @@ class RuntimeProbe:
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,
-                  num_procs: int = 2, schedule: str = "zb-h1", fused: bool = True) -> RuntimeProbe:
+                  num_procs: int = 2, schedule: str = "zb-h1", fused: bool = True, autocast: Any = None) -> RuntimeProbe:
     """The pipelines the runtime profile times: one stage per layer, the layers split into
     `num_procs` contiguous groups of about equal load (from a quick `profile_costs`, which also
     gives the bytes), one group per process, run with `schedule`'s op order (each of its ops
     expanded into the group's per-layer ops: F in layer order, B and W in reverse) and, with
     `fused`, also with 1F1B's order, whose backward ops compute B and W together, once as it is and
-    once with every stage recomputing (its forwards run without autograd)."""
+    once with every stage recomputing (its forwards run without autograd). `autocast`: compile's
+    (None, "bf16" or "fp16"), so that the layers are timed as the plans will run them."""
     import octopipe
     from octopipe import schedules
     from octopipe.ir.plan import Op, OpKind, PipelinePlan
@@ -556,7 +557,7 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
     graph = octopipe.trace(model, tuple(inputs), loss_fn=loss_fn, example_target=target)
     micro = microbatch(tuple(inputs), num_microbatches)
     micro_target = microbatch((target,), num_microbatches)[0]
-    sizes = profile_costs(graph, micro, example_target=micro_target, repeats=1, warmup=1)
+    sizes = profile_costs(graph, micro, example_target=micro_target, repeats=1, warmup=1, autocast=autocast)
     layers = len(sizes)
     groups = min(num_procs, layers)
     bounds = schedules.balanced_boundaries([layer.forward_ms + layer.backward_ms for layer in sizes], groups)
@@ -575,7 +576,7 @@ def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, 
                                   recompute=[recompute] * layers)
         return octopipe.compile(model, ClusterSpec.preset("cpu", num_devices=groups), example_inputs=tuple(inputs),
                                 example_target=target, loss_fn=loss_fn, num_microbatches=num_microbatches, plan=plan,
-                                costs=sizes, quiet=True)
+                                costs=sizes, quiet=True, autocast=autocast)
 
     return RuntimeProbe(compiled(schedule), sizes, compiled("1f1b") if fused else None,
                         compiled("1f1b", recompute=True) if fused else None)

@@ -610,6 +610,40 @@ def test_train_candidates_measures_the_runners_up_and_trains_the_fastest_unchang
     assert first[0] == pytest.approx(first[1], abs=1e-5)
 
 
+@pytest.mark.timeout(300)
+def test_local_train_profile_times_the_layers_inside_pipelined_steps(capsys, monkeypatch):
+    import torch
+
+    from octopipe import bench, cli
+
+    seen = {}
+    real_probe, real_profiled = bench.runtime_probe, cli._runtime_profiled
+
+    def probe(*args, **kwargs):
+        seen["probe"] = real_probe(*args, **kwargs)
+        return seen["probe"]
+
+    def profiled(*args, **kwargs):
+        seen["profiled"] = real_profiled(*args, **kwargs)
+        return seen["profiled"]
+
+    monkeypatch.setattr(bench, "runtime_probe", probe)
+    monkeypatch.setattr(cli, "_runtime_profiled", profiled)
+    assert main(["train", "--model", "llama", "--nprocs", "4", "--data-parallel", "2", "--microbatches", "4",
+                 "--steps", "1", "--time-limit", "2", "--autocast", "bf16", "--profile"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "inside pipelined steps on 2 processes" in captured.err
+    assert "2 replicas of this 2-rank pipeline (4 processes)" in captured.out
+    # the probe ran one replica's ranks, under the training's autocast
+    assert seen["probe"].pipe.world_size == 2 and seen["probe"].pipe.autocast is torch.bfloat16
+    # the plan's costs are its profile's (full backwards timed, which the layer loop does not),
+    # on the link and per-op host time measured here, for every process
+    cluster, costs = seen["profiled"]
+    assert cluster.name == "cpux4-measured" and cluster.num_devices == 4
+    assert cluster.op_overhead_ms > 0 and cluster.message_overhead_ms is not None
+    assert all(layer.backward_full_ms is not None for layer in costs)
+
+
 def test_train_candidates_needs_a_search_on_local_processes(capsys):
     for extra in (["--schedule", "1f1b"], ["--torchrun"]):
         assert main(["train", "--model", "gemma", "--candidates", "2", *extra]) == EXIT_ERROR
