@@ -424,9 +424,13 @@ class Engine:
         gradients so that the norm of the whole model's gradient, every parameter counted once
         across all ranks (a tied one by the lowest rank holding it), is at most `max_norm`, as
         `torch.nn.utils.clip_grad_norm_` does on the plain model. Returns that norm before
-        clipping. A norm taken on one rank alone would clip each rank by a different factor."""
+        clipping. A norm taken on one rank alone would clip each rank by a different factor. After
+        an fp16 step that overflowed (`skipped_step`: its gradients are dropped on every rank) the
+        norm is inf, as torch's is of overflowed gradients."""
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ArgumentError(f"rank {self.rank}: clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}")
+        if self.skipped_step:  # every rank agreed on it: no collective to keep in step
+            return float("inf")
         norm_type = float(norm_type)
         me = self.replicas.stage_rank
         counted = [param.grad for name, param in self._params.items()

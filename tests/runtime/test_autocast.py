@@ -5,6 +5,8 @@ linears), interleaved 1F1B and a recomputing plan; and it is not plain fp32 trai
 could fail). fp16 adds loss scaling: equal to torch.amp.GradScaler training, and an overflow
 anywhere skips the step on every rank."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -220,7 +222,8 @@ def _overflow_worker(rank, world_size, pipe):
     engine = pipe.engine(rank, timeout_s=30, loss_scaler=LossScaler(init_scale=2.0**100))
     engine.step((tokens,), target)
     skipped = (engine.skipped_step, all(p.grad is None for _, p in engine.named_parameters()),
-               engine.loss_scaler.scale, engine.state_dict()["loss_scaler"])
+               engine.loss_scaler.scale, engine.state_dict()["loss_scaler"],
+               engine.clip_grad_norm_(1.0))  # the gradients overflowed: an infinite norm, as torch reports
     engine.loss_scaler.scale = 2.0**16
     loss = engine.step((tokens,), target)
     return skipped, (engine.skipped_step, loss, {name: p.grad.clone() for name, p in engine.named_parameters()})
@@ -239,7 +242,7 @@ def test_fp16_pipeline_equals_gradscaler_training_and_skips_overflowing_steps_to
     _assert_every_schedule_equals(per_rank, plain_loss, plain_grads)  # unscaled as GradScaler unscales
     results = launch(_overflow_worker, 2, args=(pipes[1],))
     for skipped, _ in results:
-        assert skipped == (True, True, 2.0**99, {"scale": 2.0**99, "good_steps": 0})
+        assert skipped == (True, True, 2.0**99, {"scale": 2.0**99, "good_steps": 0}, math.inf)
     assert not any(after[0] for _, after in results)
     assert results[0][1][1] == pytest.approx(plain_loss, rel=1e-6)
     grads = {**results[0][1][2], **results[1][1][2]}
