@@ -419,9 +419,12 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
         raise ArgumentError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
     if num_devices > len(costs):
+        replicas = cluster.data_parallel
+        per_replica = f" per replica ({replicas} replicas)" if replicas > 1 else ""
         raise ArgumentError(
-            f"plan: {num_devices} devices but the model has only {len(costs)} layers; every device needs at least one "
-            f"layer: use num_devices <= {len(costs)}"
+            f"plan: {num_devices} devices{per_replica} but the model has only {len(costs)} layers; every device needs "
+            f"at least one layer: use num_devices <= {len(costs)} (CLI: plan --devices <= {len(costs)}, train "
+            f"--nprocs <= {len(costs) * replicas}{f' with {replicas} replicas' if replicas > 1 else ''})"
         )
     if not _positive_finite(time_limit_s) and time_limit_s != math.inf:
         raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
@@ -924,6 +927,10 @@ def compile(
     autocast = autocast_dtype(autocast, "compile(autocast=...)")
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ArgumentError(f"compile: data_parallel must be a positive integer (replicas), got {data_parallel!r}")
+    if cluster.data_parallel > 1:
+        raise ArgumentError(f"compile: cluster {cluster.name!r} is one of {cluster.data_parallel} data-parallel replicas "
+                            f"(ClusterSpec.replica); compile runs every replica it prices: give the whole cluster with "
+                            f"data_parallel={cluster.data_parallel}")
     full_cluster, cluster = cluster, cluster.replica(data_parallel) if data_parallel > 1 else cluster
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     empty = [i for i, t in enumerate(inputs) if hasattr(t, "dim") and t.dim() and t.shape[0] == 0]
@@ -1193,9 +1200,9 @@ def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro
                             num_microbatches: int, where: str = "compile") -> None:
     """Warn where a saved plan file says it was planned on another model's costs or on
     microbatches of another size than `micro`'s (one microbatch of the batch, as compile cuts
-    it): it still runs (the layers match), but its predicted time and memory are for what it was
-    planned on. `model` and `num_layers` are the traced model's (CostTable.model and its
-    length); `where` starts the message."""
+    it): it still runs (the layers match) and is priced on this model's costs, but its partition,
+    placement and order were chosen for what it was planned on. `model` and `num_layers` are the
+    traced model's (CostTable.model and its length); `where` starts the message."""
     import warnings
 
     from octopipe.errors import OctopipeWarning
@@ -1210,12 +1217,14 @@ def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro
         return  # another layer count: refused next, no warning needed
     if planned and model and planned != model:
         warnings.warn(f"{where}: {path} was planned on the costs of {planned}, this model is {model}: it runs "
-                      f"(the layer counts match), but its predicted time and memory are {planned}'s; plan again for "
-                      "this model (octopipe.plan, or octopipe plan --model)", OctopipeWarning, stacklevel=3)
+                      f"(the layer counts match) and its prediction is this model's, but its partition, placement "
+                      f"and order were chosen for {planned}'s costs; plan again for this model (octopipe.plan, or "
+                      "octopipe plan --model)", OctopipeWarning, stacklevel=3)
     if saved.microbatch_size and size and size != saved.microbatch_size:
         warnings.warn(f"{where}: {path} was planned for microbatches of {saved.microbatch_size} samples, this batch "
-                      f"makes microbatches of {size}: its predicted time and memory are for the planned size; use a "
-                      f"batch of {saved.microbatch_size * num_microbatches} or plan again for this one",
+                      f"makes microbatches of {size}: its prediction is for {size}, but its partition, placement and "
+                      f"order were chosen for {saved.microbatch_size}; use a batch of "
+                      f"{saved.microbatch_size * num_microbatches} or plan again for this one",
                       OctopipeWarning, stacklevel=3)
 
 

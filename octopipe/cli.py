@@ -9,6 +9,7 @@ on stderr, never a traceback (set OCTOPIPE_DEBUG=1 for one).
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import math
 import os
@@ -235,13 +236,22 @@ def _fail(exc: Exception, code: int) -> int:
 
 # -- shared options -------------------------------------------------------------------------------
 
-def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | None = None, flag: str = "--devices"):
+def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | None = None, flag: str = "--devices",
+             whole: str = ""):
     """--cluster (else `default`) on `devices` devices (default: --devices, where the command has
-    it): a preset takes any count, a spec file at most the devices it describes."""
+    it): a preset takes any count, a spec file at most the devices it describes. `whole`: the
+    command that needs every device's spec, refusing one replica's (a spec with data_parallel
+    above 1, as `ClusterSpec.replica` and saved data-parallel plans write it)."""
     from octopipe.cluster import ClusterSpec
+    from octopipe.errors import ClusterSpecError
 
     spec = args.cluster or default
     cluster = ClusterSpec.of(spec, "--cluster")
+    if whole and cluster.data_parallel > 1:
+        replicas = f", with --data-parallel {cluster.data_parallel}" if whole == "train" else ""
+        raise ClusterSpecError(f"--cluster {spec}: it describes one of {cluster.data_parallel} data-parallel replicas "
+                               f"(data_parallel: {cluster.data_parallel}); {whole} takes the whole cluster: give a spec "
+                               f"of every device, without data_parallel{replicas}")
     devices = devices or getattr(args, "devices", None)
     if devices and devices != cluster.num_devices:
         if devices > cluster.num_devices and ClusterSpec.names_file(spec):
@@ -515,7 +525,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.runners_up and not args.output:
         raise OctopipeError("plan --runners-up: they are written beside the plan file; give -o PLAN as well")
     cluster = _cluster(args)
-    replicas = args.data_parallel
+    if cluster.data_parallel > 1 and args.data_parallel is not None:
+        raise OctopipeError(f"plan --data-parallel {args.data_parallel}: --cluster {args.cluster} already describes one "
+                            f"of {cluster.data_parallel} replicas (data_parallel: {cluster.data_parallel}); drop "
+                            "--data-parallel to plan that replica, or give a spec of every device, without "
+                            "data_parallel, with --data-parallel")
+    replicas = 1 if args.data_parallel is None else args.data_parallel
     if replicas == "auto" and (args.devices or args.runners_up):
         raise OctopipeError(f"plan --data-parallel auto: {'--devices' if args.devices else '--runners-up'} applies "
                             "to one replica count; give the count (--data-parallel D) with it")
@@ -562,19 +577,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kept = " with the cost table and cluster it was planned on" if path.suffix.lower() == ".json" else ""
         print(f"plan written to {path}{kept}")
         if args.runners_up:
-            _save_runners_up(result, path)
+            _save_runners_up(result, path, getattr(args, "microbatch_size", None))
     else:
         print()
         print(result.plan)
     return EXIT_OK
 
 
-def _save_runners_up(result: Any, path: Path) -> None:
+def _save_runners_up(result: Any, path: Path, microbatch_size: int | None) -> None:
     """Each of the planner's runners-up as PLAN.runner-up-N.SUFFIX beside the plan (as the plan
-    is saved), to measure on the cluster with `train --plan`."""
+    is saved, with the same microbatch size), to measure on the cluster with `train --plan`; an
+    earlier run's runners-up of the same plan file are removed first, so that none is taken for
+    one of this plan's."""
+    import re
+
     from octopipe.api import RUNNER_UP_MARGIN, save_plan
     from octopipe.simulator import simulate
 
+    earlier = re.compile(re.escape(path.stem) + r"\.runner-up-\d+" + re.escape(path.suffix))
+    for old in sorted(path.parent.glob(f"{glob.escape(path.stem)}.runner-up-*{glob.escape(path.suffix)}")):
+        if earlier.fullmatch(old.name):
+            try:
+                old.unlink()
+            except OSError as exc:
+                raise _write_error(str(old), exc) from None
+            print(f"removed {old} (a runner-up of an earlier plan written to {path})")
     if not result.runners_up:
         print(f"no runner-up: no plan of another shape fits within {RUNNER_UP_MARGIN:.0%} of this one")
     for index, runner_up in enumerate(result.runners_up, start=1):
@@ -582,7 +609,7 @@ def _save_runners_up(result: Any, path: Path) -> None:
         iteration_ms = simulate(runner_up, result.costs, result.simulation.cluster).iteration_ms
         try:
             save_plan(runner_up, target, costs=result.costs, cluster=result.simulation.cluster,
-                      iteration_ms=iteration_ms)
+                      iteration_ms=iteration_ms, microbatch_size=microbatch_size)
         except OSError as exc:
             raise _write_error(str(target), exc) from None
         print(f"runner-up {index} written to {target} ({runner_up.num_stages} stages, placement "
@@ -763,7 +790,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError("train --size paper: a paper-size model does not fit this machine; it trains across GPUs "
                             "under torchrun, where each rank creates only its own stages (--torchrun prints the "
                             "line); here use --size tiny")
-    cluster = _cluster(args, default=f"cpux{args.nprocs}", devices=args.nprocs, flag="--nprocs")
+    cluster = _cluster(args, default=f"cpux{args.nprocs}", devices=args.nprocs, flag="--nprocs", whole="train")
     model, inputs, target, loss_fn = _load_model(args)
     _need_target(args, target)
     if any(param.is_meta for param in model.parameters()):
@@ -880,7 +907,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cluster = _cluster(args, default=f"h100x{world_size}", devices=world_size, flag="the job's world size")
+    cluster = _cluster(args, default=f"h100x{world_size}", devices=world_size, flag="the job's world size", whole="train")
     model, inputs, target, loss_fn = _load_model(args)
     _need_target(args, target)
     # a model built on the meta device (--size paper, or a factory's) is traced on meta examples
@@ -1040,7 +1067,7 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
               "runs", file=sys.stderr)
     cluster = None
     if f"--cluster {args.cluster}" not in missing:
-        cluster = _cluster(args, default=f"h100x{args.nprocs}", devices=args.nprocs, flag="--nprocs")
+        cluster = _cluster(args, default=f"h100x{args.nprocs}", devices=args.nprocs, flag="--nprocs", whole="train")
     # torchrun starts as many processes on every node: the cluster's nodes (8 GPUs a node where
     # its spec is not on this machine)
     per_node = cluster.devices_per_node if cluster is not None else 8
@@ -1117,7 +1144,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if args.all is not None and args.level:
         raise OctopipeError("dump: --all writes every level; give --all DIR or --level LEVEL, not both")
     _writable(args.all, "--all", directory=True)
-    cluster = _cluster(args, default="cpux2")
+    cluster = _cluster(args, default="cpux2", whole="dump")
     model, inputs, target, loss_fn = _load_model(args)
     schedule = args.schedule or (None if args.plan else "1f1b")  # a given plan, else 1F1B unless named
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
@@ -1165,8 +1192,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recompute", action="store_true",
                    help="never recompute activations, fully or selectively (by default the search may, where memory "
                         "holds microbatches back)")
-    p.add_argument("--data-parallel", type=_replicas_arg, default=1, metavar="D|auto",
-                   help="plan one of D replicas over the cluster's devices (each device's gradients all-reduced "
+    p.add_argument("--data-parallel", type=_replicas_arg, default=None, metavar="D|auto",
+                   help="plan one of D replicas over the cluster's devices (default 1, or a --cluster spec's own "
+                        "data_parallel, which describes one replica; each device's gradients all-reduced "
                         "over its D copies every step, in the plan's time; --microbatches is then each replica's); "
                         "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
                         "keep the fastest step")

@@ -665,6 +665,28 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
         assert planned == pytest.approx(ms, abs=0.06)
     assert main(["plan", "--costs", str(PROFILE), "--runners-up"]) == EXIT_ERROR
     assert "give -o PLAN" in capsys.readouterr().err
+    # planned again to the same file: the earlier run's runners-up go, none is taken for this plan's
+    stale = tmp_path / "p.runner-up-9.json"
+    stale.write_text("{}")
+    keep = tmp_path / "p.runner-up-x.json"  # not a name the planner writes
+    keep.write_text("{}")
+    assert main(["plan", "--costs", str(PROFILE), "--devices", "1", "--microbatches", "8", "--time-limit", "3",
+                 "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "no runner-up" in out and f"removed {stale}" in out
+    assert not list(tmp_path.glob("p.runner-up-[0-9]*.json")) and keep.exists()
+
+
+def test_runners_up_keep_the_microbatch_size_they_were_planned_for(tmp_path, capsys):
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama", "--batch-size", "16", "--cluster", "cpux4", "--microbatches", "8",
+                 "--time-limit", "3", "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
+    runners_up = sorted(tmp_path.glob("p.runner-up-*.json"))
+    assert runners_up
+    for path in [plan_path, *runners_up]:
+        assert json.loads(path.read_text())["planned_with"]["microbatch_size"] == 2
+        assert main(["train", "--model", "llama", "--plan", str(path), "--torchrun"]) == EXIT_OK
+        assert "--batch-size 16" in capsys.readouterr().out  # the batch it was planned for, not the default 8
 
 
 @pytest.mark.timeout(300)
@@ -733,6 +755,46 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
     assert main(["train", "--model", "llama", "--plan", str(llama_plan), "--data-parallel", "1", "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out
     assert "--data-parallel 1" in line and f"--nproc-per-node {min(8, devices)}" in line
+
+
+def test_a_cluster_spec_of_one_replica_plans_that_replica_and_is_refused_where_the_whole_cluster_is_meant(
+        tmp_path, capsys):
+    # one of 2 replicas, as ClusterSpec.replica and saved data-parallel plans write it
+    spec = tmp_path / "dp2.json"
+    spec.write_text(json.dumps({"num_devices": 4, "data_parallel": 2, "name": "dp2file", "backend": "gloo"}))
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", "--model", "llama", "--cluster", str(spec), "--microbatches", "4", "--time-limit", "2",
+                 "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
+    assert json.loads(plan_path.read_text())["planned_with"]["cluster"]["data_parallel"] == 2
+    capsys.readouterr()
+    # a --data-parallel beside it, 1 included, was ignored or clashed with a message naming no option
+    for replicas in ("1", "2", "auto"):
+        assert main(["plan", "--model", "llama", "--cluster", str(spec), "--data-parallel", replicas]) == EXIT_ERROR
+        assert f"--cluster {spec} already describes one of 2 replicas" in capsys.readouterr().err
+    # train sizes the cluster by --nprocs and splits it by --data-parallel: it ran one replica
+    # priced as one of two, or clashed with the plan's replicas
+    for extra in ([], ["--plan", str(plan_path)], ["--data-parallel", "2", "--nprocs", "4"], ["--torchrun"]):
+        assert main(["train", "--model", "llama", "--cluster", str(spec), "--steps", "1", *extra]) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert "describes one of 2 data-parallel replicas" in err and "with --data-parallel 2" in err
+    assert main(["dump", "--model", "llama", "--cluster", str(spec)]) == EXIT_ERROR
+    assert "dump takes the whole cluster" in capsys.readouterr().err
+    import octopipe
+    from octopipe import models
+
+    with pytest.raises(octopipe.ArgumentError, match="compile runs every replica it prices: give the whole cluster"):
+        octopipe.compile(models.build("llama", "tiny"), octopipe.ClusterSpec.preset("cpux4").replica(2),
+                         example_inputs=models.example_inputs("llama", "tiny"), loss_fn=models.lm_loss,
+                         example_target=models.example_target("llama", "tiny"), schedule="1f1b")
+
+
+def test_more_devices_than_layers_names_the_options_to_change(capsys):
+    assert main(["train", "--model", "llama", "--nprocs", "18", "--data-parallel", "2"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "9 devices per replica (2 replicas) but the model has only 8 layers" in err
+    assert "train --nprocs <= 16 with 2 replicas" in err
+    assert main(["plan", "--model", "llama", "--devices", "9", "--cluster", "h100x16"]) == EXIT_ERROR
+    assert "plan --devices <= 8" in capsys.readouterr().err
 
 
 def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(tmp_path, capsys):
@@ -878,6 +940,8 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
     assert main(["dump", "--model", "llama", "--plan", "gemma.json", "--level", "plan"]) == EXIT_OK
     err = capsys.readouterr().err
     assert err.startswith("warning: compile: gemma.json was planned on the costs of") and "Traceback" not in err
+    # the prediction printed beside it is this model's; the plan's choices are the other's
+    assert "its prediction is this model's, but its partition, placement and order were chosen for" in err
     assert main(["dump", "--model", "llama", "--plan", "p32.json", "--batch-size", "16", "--level", "plan"]) == EXIT_OK
     assert "planned for microbatches of 8 samples, this batch makes microbatches of 4" in capsys.readouterr().err
     # train --torchrun compiles nothing, and says the same before printing its line
@@ -968,7 +1032,7 @@ def test_torchrun_line_refuses_what_the_ranks_would_and_takes_the_nodes_and_devi
         main(train + ["facts:good", "--effort", "1e25"])
     assert info.value.code == EXIT_USAGE and "below 2**80" in capsys.readouterr().err
     (tmp_path / "dp2.json").write_text(json.dumps({"num_devices": 4, "data_parallel": 2, "name": "dp2"}))
-    assert "already one of 2 replicas" in _error(train + ["facts:good", "--cluster", "dp2.json", "--nprocs", "4",
+    assert "describes one of 2 data-parallel replicas" in _error(train + ["facts:good", "--cluster", "dp2.json", "--nprocs", "4",
                                                           "--data-parallel", "2"], capsys)
     # torchrun's processes per node are the cluster's
     (tmp_path / "four.json").write_text(json.dumps({"num_devices": 16, "devices_per_node": 4, "name": "four"}))
