@@ -9,7 +9,6 @@ on stderr, never a traceback (set OCTOPIPE_DEBUG=1 for one).
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import math
 import os
@@ -595,7 +594,7 @@ def _save_runners_up(result: Any, path: Path, microbatch_size: int | None) -> No
     from octopipe.simulator import simulate
 
     earlier = re.compile(re.escape(path.stem) + r"\.runner-up-\d+" + re.escape(path.suffix))
-    for old in sorted(path.parent.glob(f"{glob.escape(path.stem)}.runner-up-*{glob.escape(path.suffix)}")):
+    for old in sorted(path.parent.iterdir()):
         if earlier.fullmatch(old.name):
             try:
                 old.unlink()
@@ -808,9 +807,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.profile:
         cluster, costs = _runtime_profiled(args, cluster, model, inputs, target, loss_fn)
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
-                            num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule, time_limit_s=args.time_limit or 10.0,
-                            effort=args.effort or 1.0, quiet=args.quiet, autocast=args.autocast,
-                            data_parallel=args.data_parallel)
+                            num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule,
+                            time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
+                            autocast=args.autocast, data_parallel=args.data_parallel)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
