@@ -407,7 +407,9 @@ def _on_profiling_device(model: Any, inputs: Any, target: Any) -> tuple[Any, Any
     if next(model.parameters(), torch.empty(0)).is_meta:
         return model, inputs, target  # (refused by the profile, with what to do)
     if not torch.cuda.is_available():
-        print("note: --profile measures on this machine's CPU (no GPU here)", file=sys.stderr)
+        print("note: --profile measures on this machine's CPU (no GPU here), each layer timed alone: the runtime's "
+              "host time, which weighs on small models' steps on CPU processes, is not in it (local train --profile "
+              "times the layers inside pipelined steps)", file=sys.stderr)
         return model, inputs, target
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"note: --profile measures on {device} ({torch.cuda.get_device_name(device)})", file=sys.stderr)
