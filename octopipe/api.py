@@ -419,13 +419,14 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or not 1 <= num_devices <= cluster.num_devices:
         raise ArgumentError(f"plan: num_devices must be in 1..{cluster.num_devices} (the cluster's devices), got {num_devices!r}")
     if num_devices > len(costs):
-        replicas = cluster.data_parallel
-        per_replica = f" per replica ({replicas} replicas)" if replicas > 1 else ""
-        raise ArgumentError(
-            f"plan: {num_devices} devices{per_replica} but the model has only {len(costs)} layers; every device needs "
-            f"at least one layer: use num_devices <= {len(costs)} (CLI: plan --devices <= {len(costs)}, train "
-            f"--nprocs <= {len(costs) * replicas}{f' with {replicas} replicas' if replicas > 1 else ''})"
-        )
+        replicas, layers = cluster.data_parallel, len(costs)
+        if replicas > 1:  # (plan --devices does not go with --data-parallel)
+            where, cli = (f" per replica ({replicas} replicas)",
+                          f"a cluster of at most {layers * replicas} devices: train --nprocs, plan --cluster")
+        else:
+            where, cli = "", f"plan --devices <= {layers}, train --nprocs <= {layers}"
+        raise ArgumentError(f"plan: {num_devices} devices{where} but the model has only {layers} layers; every device "
+                            f"needs at least one layer: use num_devices <= {layers} (CLI: {cli})")
     if not _positive_finite(time_limit_s) and time_limit_s != math.inf:
         raise ArgumentError(f"plan: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     for name, value in (("effort", effort), ("memory_limit_bytes", memory_limit_bytes)):

@@ -247,10 +247,10 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
     spec = args.cluster or default
     cluster = ClusterSpec.of(spec, "--cluster")
     if whole and cluster.data_parallel > 1:
-        replicas = f", with --data-parallel {cluster.data_parallel}" if whole == "train" else ""
+        fix = (f"a spec of every device, without data_parallel, with --data-parallel {cluster.data_parallel}"
+               if whole == "train" else "a spec of one pipeline's devices without data_parallel (it shows one pipeline)")
         raise ClusterSpecError(f"--cluster {spec}: it describes one of {cluster.data_parallel} data-parallel replicas "
-                               f"(data_parallel: {cluster.data_parallel}); {whole} takes the whole cluster: give a spec "
-                               f"of every device, without data_parallel{replicas}")
+                               f"(data_parallel: {cluster.data_parallel}); {whole} takes the whole cluster: give {fix}")
     devices = devices or getattr(args, "devices", None)
     if devices and devices != cluster.num_devices:
         if devices > cluster.num_devices and ClusterSpec.names_file(spec):
@@ -593,15 +593,17 @@ def _save_runners_up(result: Any, path: Path, microbatch_size: int | None) -> No
     import re
 
     from octopipe.api import RUNNER_UP_MARGIN, save_plan
+    from octopipe.errors import OctopipeError
     from octopipe.simulator import simulate
 
     earlier = re.compile(re.escape(path.stem) + r"\.runner-up-\d+" + re.escape(path.suffix))
     for old in sorted(path.parent.iterdir()):
-        if earlier.fullmatch(old.name):
+        if earlier.fullmatch(old.name) and old.is_file():  # (what the planner writes: files)
             try:
                 old.unlink()
             except OSError as exc:
-                raise _write_error(str(old), exc) from None
+                raise OctopipeError(f"cannot remove {old}, a runner-up of an earlier plan written to {path}: "
+                                    f"{exc.strerror or exc}; remove it, or write the plan elsewhere") from None
             print(f"removed {old} (a runner-up of an earlier plan written to {path})")
     if not result.runners_up:
         print(f"no runner-up: no plan of another shape fits within {RUNNER_UP_MARGIN:.0%} of this one")

@@ -549,7 +549,8 @@ def _boundaries(
     if num_layers < num_stages:
         raise PlanError(
             f"{name} on this placement needs {num_stages} stages but the cost table {costs.model!r} has only "
-            f"{num_layers} layers; use fewer devices or stages per device"
+            f"{num_layers} layers; use fewer devices (CLI: --devices, train --nprocs) or a schedule with fewer "
+            "stages per device"
         )
     if isinstance(partition, str):
         if partition == "uniform":

@@ -670,11 +670,12 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
     stale.write_text("{}")
     keep = tmp_path / "p.runner-up-x.json"  # not a name the planner writes
     keep.write_text("{}")
+    (tmp_path / "p.runner-up-7.json").mkdir()  # nor a folder
     assert main(["plan", "--costs", str(PROFILE), "--devices", "1", "--microbatches", "8", "--time-limit", "3",
                  "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "no runner-up" in out and f"removed {stale}" in out
-    assert not list(tmp_path.glob("p.runner-up-[0-9]*.json")) and keep.exists()
+    assert [path.name for path in tmp_path.glob("p.runner-up-[0-9]*.json")] == ["p.runner-up-7.json"] and keep.exists()
 
 
 def test_runners_up_keep_the_microbatch_size_they_were_planned_for(tmp_path, capsys):
@@ -741,7 +742,7 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
                  "--torchrun"]) == EXIT_INVALID_PLAN
     assert "but --model llama has 8" in capsys.readouterr().err
     llama_plan = tmp_path / "llama.json"
-    assert main(["plan", "--model", "llama", "--cluster", "h100x16", "--data-parallel", "2", "--microbatches", "8",
+    assert main(["plan", "--model", "llama", "--cluster", "cpux18", "--data-parallel", "2", "--microbatches", "8",
                  "--time-limit", "2", "--quiet", "--no-solver", "-o", str(llama_plan)]) == EXIT_OK
     devices = json.loads(llama_plan.read_text())["num_devices"]
     capsys.readouterr()
@@ -792,9 +793,13 @@ def test_more_devices_than_layers_names_the_options_to_change(capsys):
     assert main(["train", "--model", "llama", "--nprocs", "18", "--data-parallel", "2"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "9 devices per replica (2 replicas) but the model has only 8 layers" in err
-    assert "train --nprocs <= 16 with 2 replicas" in err
+    assert "a cluster of at most 16 devices: train --nprocs, plan --cluster" in err
     assert main(["plan", "--model", "llama", "--devices", "9", "--cluster", "h100x16"]) == EXIT_ERROR
-    assert "plan --devices <= 8" in capsys.readouterr().err
+    assert "plan --devices <= 8, train --nprocs <= 8" in capsys.readouterr().err
+    # plan --devices does not go with --data-parallel: not suggested there
+    assert main(["plan", "--model", "llama", "--cluster", "cpux18", "--data-parallel", "2", "--microbatches",
+                 "4"]) == EXIT_ERROR
+    assert "--devices" not in (err := capsys.readouterr().err) and "9 devices per replica" in err
 
 
 def test_plan_data_parallel_auto_chooses_the_replica_count_and_train_follows_it(tmp_path, capsys):
