@@ -408,7 +408,7 @@ def _on_profiling_device(model: Any, inputs: Any, target: Any) -> tuple[Any, Any
         return model, inputs, target  # (refused by the profile, with what to do)
     if not torch.cuda.is_available():
         print("note: --profile measures on this machine's CPU (no GPU here), each layer timed alone: the runtime's "
-              "host time, which weighs on small models' steps on CPU processes, is not in it (local train --profile "
+              "host time, which weighs on small models' steps on CPU processes, is not in it (train --profile "
               "times the layers inside pipelined steps)", file=sys.stderr)
         return model, inputs, target
     device = torch.device("cuda", torch.cuda.current_device())
@@ -838,19 +838,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs: Any, target: Any,
                       loss_fn: Any) -> tuple[Any, Any]:
-    """Local `train --profile`: (cluster, costs) measured on these processes as the demo measures
-    them. Timing each layer alone (`costs="profile"`) and pricing no host time predicted small CPU
+    """`train --profile` on CPU processes (local, or rank 0 under torchrun, on new processes of its
+    node while the others wait): (cluster, costs) measured as the demo measures them. Timing each layer alone (`costs="profile"`) and pricing no host time predicted small CPU
     models' steps about 2x fast (llama tiny: 12.7 ms against 27.5 measured); here the link and the
     runtime's per-op host time are measured (`calibrate_cpu_cluster`, into `cluster`'s other
     figures), and every layer and message is timed inside pipelined steps on one pipeline's
     processes (`bench.runtime_probe`)."""
     from octopipe.bench import calibrate_cpu_cluster, runtime_probe
 
-    devices = args.nprocs // args.data_parallel
+    devices = cluster.num_devices // args.data_parallel
     if not args.quiet:
         print(f"profiling: the link and the runtime's per-op time, then every layer inside pipelined steps on "
               f"{devices} process{'es' if devices > 1 else ''} ...", file=sys.stderr)
-    measured = calibrate_cpu_cluster(args.nprocs, base=cluster)
+    measured = calibrate_cpu_cluster(cluster.num_devices, base=cluster)
     probe = runtime_probe(model, inputs, target, loss_fn, args.microbatches, num_procs=devices, autocast=args.autocast)
     profile = probe.run(inputs, target, op_overhead_ms=measured.op_overhead_ms)
     return profile.calibrate(measured), profile.costs
@@ -923,11 +923,16 @@ def _train_distributed(args: argparse.Namespace) -> int:
     first = None
     if rank == 0:
         try:
-            if args.profile:  # costs measured where the ranks run: this rank's GPU, if any
+            planning, costs = cluster, "profile" if args.profile else "analytic"
+            if args.profile and device.type == "cpu" and not on_meta:
+                # CPU ranks: measured inside pipelined steps on processes of this node, as local
+                # train measures them (each layer timed alone misses the runtime's host time)
+                planning, costs = _runtime_profiled(args, cluster, model, examples, example_target, loss_fn)
+            elif args.profile:  # costs measured where the ranks run: this rank's GPU
                 model, examples, example_target = _on_profiling_device(model, examples, example_target)
-            first = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target,
+            first = octopipe.compile(model, planning, example_inputs=examples, example_target=example_target,
                                      loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
-                                     costs="profile" if args.profile else "analytic", schedule=args.schedule,
+                                     costs=costs, schedule=args.schedule,
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel)
             plan_text = [str(first.plan)]
@@ -1249,9 +1254,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true",
-                   help="plan with measured costs: locally, every layer timed inside pipelined steps on these "
-                        "processes and the link and per-op host time measured; under torchrun, every layer timed on "
-                        "rank 0's device")
+                   help="plan with measured costs: on CPU processes, every layer timed inside pipelined steps "
+                        "(under torchrun, on new processes of rank 0's node) and the link and per-op host time "
+                        "measured; on GPUs, every layer timed on rank 0's GPU")
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="mixed precision: every forward under torch.autocast in bfloat16, or float16 with dynamic loss "
                         "scaling (fp32 weights and gradients)")

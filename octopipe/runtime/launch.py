@@ -54,9 +54,10 @@ def _free_port() -> int:
 def fork_is_safe() -> bool:
     """Whether forked workers can run torch: on Linux, with a CPU-only build of torch (a CUDA or
     ROCm build starts autograd's device threads at the parent's first backward, and a child forked
-    after that cannot run backward at all), CUDA not initialized in the parent."""
+    after that cannot run backward at all), CUDA not initialized in the parent, nor a process group
+    (a torchrun rank launching workers: a forked child would inherit its group and its threads)."""
     return (sys.platform.startswith("linux") and torch.version.cuda is None and torch.version.hip is None
-            and not torch.cuda.is_initialized())
+            and not torch.cuda.is_initialized() and not dist.is_initialized())
 
 
 def default_backend(nprocs: int) -> str:
