@@ -850,8 +850,10 @@ def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs
     if not args.quiet:
         print(f"profiling: the link and the runtime's per-op time, then every layer inside pipelined steps on "
               f"{devices} process{'es' if devices > 1 else ''} ...", file=sys.stderr)
-    measured = calibrate_cpu_cluster(cluster.num_devices, base=cluster)
     probe = runtime_probe(model, inputs, target, loss_fn, args.microbatches, num_procs=devices, autocast=args.autocast)
+    if len(probe.sizes) < devices:  # the planner refuses it (every device needs a layer): say so before measuring
+        return cluster, probe.sizes
+    measured = calibrate_cpu_cluster(cluster.num_devices, base=cluster)
     profile = probe.run(inputs, target, op_overhead_ms=measured.op_overhead_ms)
     return profile.calibrate(measured), profile.costs
 

@@ -791,13 +791,19 @@ def test_a_cluster_spec_of_one_replica_plans_that_replica_and_is_refused_where_t
                          example_target=models.example_target("llama", "tiny"), schedule="1f1b")
 
 
-def test_more_devices_than_layers_names_the_options_to_change(capsys):
+def test_more_devices_than_layers_names_the_options_to_change(capsys, monkeypatch):
     assert main(["train", "--model", "llama", "--nprocs", "18", "--data-parallel", "2"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "9 devices per replica (2 replicas) but the model has only 8 layers" in err
     assert "a cluster of at most 16 devices: train --nprocs, plan --cluster" in err
     assert main(["plan", "--model", "llama", "--devices", "9", "--cluster", "h100x16"]) == EXIT_ERROR
     assert "plan --devices <= 8, train --nprocs <= 8" in capsys.readouterr().err
+    # train --profile says so before measuring anything
+    from octopipe import bench
+
+    monkeypatch.setattr(bench, "calibrate_cpu_cluster", lambda *args, **kwargs: pytest.fail("measured first"))
+    assert main(["train", "--model", "llama", "--nprocs", "9", "--profile", "--quiet"]) == EXIT_ERROR
+    assert "9 devices but the model has only 8 layers" in capsys.readouterr().err
     # plan --devices does not go with --data-parallel: not suggested there
     assert main(["plan", "--model", "llama", "--cluster", "cpux18", "--data-parallel", "2", "--microbatches",
                  "4"]) == EXIT_ERROR
