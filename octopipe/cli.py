@@ -247,10 +247,11 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
     spec = args.cluster or default
     cluster = ClusterSpec.of(spec, "--cluster")
     if whole and cluster.data_parallel > 1:
-        fix = (f"a spec of every device, without data_parallel, with --data-parallel {cluster.data_parallel}"
-               if whole == "train" else "a spec of one pipeline's devices without data_parallel (it shows one pipeline)")
+        fix = (f"train takes the whole cluster: give a spec of every device, without data_parallel, with "
+               f"--data-parallel {cluster.data_parallel}" if whole == "train" else
+               f"{whole} shows one pipeline: give a spec of its devices, without data_parallel")
         raise ClusterSpecError(f"--cluster {spec}: it describes one of {cluster.data_parallel} data-parallel replicas "
-                               f"(data_parallel: {cluster.data_parallel}); {whole} takes the whole cluster: give {fix}")
+                               f"(data_parallel: {cluster.data_parallel}); {fix}")
     devices = devices or getattr(args, "devices", None)
     if devices and devices != cluster.num_devices:
         if devices > cluster.num_devices and ClusterSpec.names_file(spec):

@@ -781,7 +781,7 @@ def test_a_cluster_spec_of_one_replica_plans_that_replica_and_is_refused_where_t
         err = capsys.readouterr().err
         assert "describes one of 2 data-parallel replicas" in err and "with --data-parallel 2" in err
     assert main(["dump", "--model", "llama", "--cluster", str(spec)]) == EXIT_ERROR
-    assert "dump takes the whole cluster" in capsys.readouterr().err
+    assert "dump shows one pipeline: give a spec of its devices" in capsys.readouterr().err
     import octopipe
     from octopipe import models
 
