@@ -1315,7 +1315,8 @@ def analytic_costs(
         backward_weight = sum(op_ms(op.backward_weight_flops, op.backward_weight_bytes) for op in work.ops)
         grad_bytes, linear_bytes = _gradient_bytes(layer, params, modules)
         accumulate_ms = 3 * grad_bytes / bandwidth * 1e3
-        accumulate_weight_ms = accumulate_ms * linear_bytes / grad_bytes if grad_bytes else 0.0
+        # (the share first: a share of 1 then gives accumulate_ms exactly, never a rounding above it)
+        accumulate_weight_ms = accumulate_ms * (linear_bytes / grad_bytes) if grad_bytes else 0.0
         backward_input += accumulating * (accumulate_ms - accumulate_weight_ms)
         backward_weight += accumulating * accumulate_weight_ms
         formulas = tuple((name, _formula_text(work.total(name))) for name in FORMULA_NAMES)

@@ -335,6 +335,16 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.leaf_paths = leaf_paths
         self.leaf_types = leaf_types
+        self.without_grad: list[fx.Node] = []
+        """Ops forward ran with gradients off (torch.no_grad, set_grad_enabled(False),
+        inference_mode): tracing runs forward's Python, so the mode is the model's own here, but
+        the graph does not record it."""
+
+    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any, **options: Any) -> fx.Proxy:
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
+        if kind in ("call_function", "call_method", "call_module") and not torch.is_grad_enabled():
+            self.without_grad.append(proxy.node)
+        return proxy
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths or (self.leaf_types and isinstance(m, self.leaf_types)):
@@ -349,9 +359,18 @@ def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[ty
     buffers = [(path, module, name, buffer) for path, module in root.named_modules()
                for name, buffer in module._buffers.items()]
     try:
-        graph = tracer.trace(root)
+        with torch.enable_grad():  # (a model's own no_grad blocks still switch it off: see below)
+            graph = tracer.trace(root)
     finally:
         reassigned = _restore_buffers(buffers)
+    # an op forward ran with gradients off gives values no gradient flows through: the graph
+    # detaches them, or the stages would backpropagate through the block (silently wrong
+    # gradients for what it reads, and gradients for its own weights where eager gives none)
+    for node in tracer.without_grad:
+        with graph.inserting_after(node):
+            cut = graph.call_function(without_grad, (node,))
+        for user in [user for user in node.users if user is not cut]:
+            user.replace_input_with(node, cut)
     # `self.steps += 1` or `self.avg = 0.9 * self.avg + ...` on a buffer assigns it a new value:
     # the graph writes it back into the buffer (copy_), as eager PyTorch's assignment would
     for qualified, value in reassigned:
@@ -360,6 +379,16 @@ def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[ty
         with graph.inserting_after(target):
             graph.call_method("copy_", (target, value.node))
     return fx.GraphModule(root, graph, class_name=type(root._octopipe_model).__name__)
+
+
+def without_grad(value: Any) -> Any:
+    """What an op run with gradients off gives: its tensors detached, as torch.no_grad leaves
+    them (the same values, no gradient through them); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(without_grad(item) for item in value)
+    return value
 
 
 def _restore_buffers(buffers: list[tuple[str, nn.Module, str, torch.Tensor | None]]) -> list[tuple[str, fx.Proxy]]:

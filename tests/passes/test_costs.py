@@ -290,3 +290,28 @@ def test_gradient_accumulation_adds_its_memory_traffic_to_b_and_w(name):
             assert recosted.backward_weight_ms == pytest.approx(direct.backward_weight_ms, rel=1e-9, abs=1e-12)
     with pytest.raises(OctopipeError, match="num_microbatches must be a positive integer"):
         analytic_costs(graph, H100, batch_size=2, num_microbatches=0)
+
+
+def test_a_layer_of_linear_weights_only_accumulates_all_its_gradients_in_w_without_rounding_above():
+    # found by fuzzing: accumulate_ms * linear_bytes / grad_bytes rounded one step above
+    # accumulate_ms for this head (16 x 20 + 20 parameters), and the table refused itself
+    import torch.nn.functional as F
+
+    import octopipe
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 16)
+            self.l1 = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 20)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.l1(self.emb(ids)))).mean(1)
+
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 20, (8,))
+    pipe = octopipe.compile(Net(), octopipe.ClusterSpec.preset("cpu", num_devices=2), example_inputs=(ids,),
+                            example_target=y, loss_fn=F.cross_entropy, num_microbatches=4, schedule="1f1b", quiet=True)
+    head = next(layer for layer in pipe.costs if layer.name == "head")
+    assert head.accumulate_weight_ms == head.accumulate_ms > 0

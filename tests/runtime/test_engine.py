@@ -13,10 +13,13 @@ from pipeline_helpers import (
     assert_grads_close,
     greedy_plan,
     make_case,
+    mse_loss,
     random_plan,
     reference,
 )
+from torch import nn
 
+import octopipe
 from octopipe.ir.program import InstrKind
 from octopipe.runtime import launch
 
@@ -262,3 +265,57 @@ def test_a_tensor_the_next_stage_reads_detached_sends_no_gradient(schedule):
             assert grads[name] is None, name
         else:
             torch.testing.assert_close(grads[name], param.grad)
+
+
+class _NoGradBlocks(nn.Module):
+    """A block run under torch.no_grad (its output must carry no gradient, its weights get none)
+    and a table built by a @torch.no_grad() function of the input, as Hugging Face's rotary
+    embeddings are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    @torch.no_grad()
+    def table(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x.mean(dim=-1, keepdim=True) * self.d.weight[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            z = self.b(h)
+        return self.c(h + z) * self.table(h)
+
+
+def _no_grad_worker(rank, world_size, pipes, x, y):
+    result = []
+    for pipe in pipes:
+        engine = pipe.engine(rank, timeout_s=60)
+        loss = engine.step((x,), y)
+        result.append((loss, {name: p.grad.clone() for name, p in engine.named_parameters() if p.grad is not None}))
+        for _, param in engine.named_parameters():  # (the pipelines' stages share the model's parameters)
+            param.grad = None
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_blocks_run_without_gradients_in_forward_get_none_through_the_pipeline():
+    # found by fuzzing: the traced graph dropped the no_grad switch, so the stages backpropagated
+    # through the block (b got gradients, a the wrong ones) while the loss was right
+    torch.manual_seed(0)
+    model = _NoGradBlocks()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plain = _NoGradBlocks()
+    plain.load_state_dict(model.state_dict())
+    loss = sum(mse_loss(plain(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    loss.backward()
+    expected = {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
+    assert set(expected) == {"a.weight", "a.bias", "c.weight", "c.bias"}
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
+    pipes = [octopipe.compile(model, cluster, example_inputs=(x,), example_target=y, loss_fn=mse_loss,
+                              num_microbatches=2, schedule=schedule, quiet=True) for schedule in ("1f1b", "zb-h1")]
+    for rank_results in zip(*launch(_no_grad_worker, 2, args=(pipes, x, y))):
+        grads = {name: grad for _, rank_grads in rank_results for name, grad in rank_grads.items()}
+        assert rank_results[0][0] == pytest.approx(loss.item(), rel=1e-6)
+        assert set(grads) == set(expected)
+        assert_grads_close(grads, expected)
