@@ -999,6 +999,7 @@ def compile(
                             f"{len(graph.layers)}; plan this model (octopipe.plan, "
                             "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
+        chosen = _without_selective_hazards(chosen, graph, where, given=plan is not None or schedule is not None)
         if chosen.num_devices > cluster.num_devices:
             per = (f" per replica ({full_cluster.num_devices} in all, {data_parallel} replicas)"
                    if data_parallel > 1 else "")
@@ -1195,6 +1196,37 @@ def _takes_two_arguments(function: Callable[..., Any]) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _without_selective_hazards(chosen: PipelinePlan, graph: Any, where: str, given: bool) -> PipelinePlan:
+    """`chosen`, where no selective stage holds a layer selective recomputation cannot run
+    (`trace.selective_hazard`: an in-place op on what it keeps, a recurrent module): a given
+    plan with one is refused; the search's gets full recomputation on that stage instead (it
+    holds less than selective, and takes longer than planned), with a warning."""
+    import warnings
+
+    from octopipe.errors import OctopipeWarning
+    from octopipe.passes.trace import selective_hazard
+
+    hazards = {}
+    for stage in chosen.stages:
+        if stage.selective:
+            reasons = [f"layer {j} ({graph.layers[j].name}) {reason}" for j in range(stage.layer_start, stage.layer_end)
+                       if (reason := selective_hazard(graph, j)) is not None]
+            if reasons:
+                hazards[stage.index] = reasons[0]
+    if not hazards:
+        return chosen
+    listed = "; ".join(f"stage {index}: {reason}" for index, reason in hazards.items())
+    if given:
+        raise PlanError(f"compile: {where} recomputes selectively where it cannot ({listed}): selective recomputation "
+                        "keeps matmul outputs that such an op changes (a failed backward, or wrong gradients); "
+                        "recompute those stages fully or not at all (plan.with_recompute)")
+    warnings.warn(f"compile: the plan recomputed selectively where it cannot ({listed}); those stages recompute "
+                  "fully instead (less memory, more time than planned)", OctopipeWarning, stacklevel=3)
+    recompute = [stage.recompute or stage.index in hazards for stage in chosen.stages]
+    selective = [stage.selective and stage.index not in hazards for stage in chosen.stages]
+    return chosen.with_recompute(recompute, selective)
 
 
 def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro: Sequence[Any],

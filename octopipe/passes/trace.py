@@ -53,6 +53,7 @@ import io
 import keyword
 import linecache
 import logging
+import operator
 import os
 import sysconfig
 import traceback
@@ -389,6 +390,34 @@ def without_grad(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(without_grad(item) for item in value)
     return value
+
+
+def selective_hazard(graph: LayerGraph, layer_index: int) -> str | None:
+    """Why selective recomputation cannot run this layer, or None: it keeps the matmul outputs of
+    the forward (`runtime.stage.SELECTIVE_SAVED_OPS`), and an in-place op that changes one after
+    (`x.relu_()`, `x += y`, `inplace=True`) fails the backward, or, inside a recurrent module's
+    kernels (nn.GRU on CPU), goes unseen and gives wrong gradients."""
+    if graph.module is None:
+        return None
+    modules = dict(graph.module.named_modules())
+    nodes = {node.name: node for node in graph.module.graph.nodes}
+    for name in graph.layers[layer_index].nodes:
+        node = nodes.get(name)
+        if node is None:
+            continue
+        if node.op == "call_module":
+            module = modules.get(str(node.target))
+            if isinstance(module, nn.RNNBase):
+                return f"runs a recurrent module ({type(module).__name__} {node.target})"
+            if getattr(module, "inplace", False) is True:
+                return f"runs {type(module).__name__}(inplace=True) ({node.target})"
+        elif node.kwargs.get("inplace") is True or (_mutates(node) and node.target not in _NOT_IN_PLACE):
+            return f"changes a tensor in place ({getattr(node.target, '__name__', node.target)})"
+    return None
+
+
+_NOT_IN_PLACE = frozenset({operator.and_, operator.or_, operator.not_, operator.is_})
+"""Named with a trailing underscore, but `&`, `|`, `not` and `is`: nothing changes in place."""
 
 
 def _restore_buffers(buffers: list[tuple[str, nn.Module, str, torch.Tensor | None]]) -> list[tuple[str, fx.Proxy]]:

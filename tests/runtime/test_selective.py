@@ -140,3 +140,49 @@ def test_selective_recomputation_replays_dropout_masks():
         assert torch.equal(grad, plain_grads[name]), name
     other_loss, other_grads = run(plain, 2)  # dropout is live: another seed, other values
     assert other_loss != plain_loss and any(not torch.equal(other_grads[n], g) for n, g in plain_grads.items())
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h + 1  # (an op between: the GRU is a layer of its own)
+        out, _ = self.rnn(h)
+        z = self.b(out)
+        z.relu_()
+        return z
+
+
+def test_selective_recomputation_is_never_run_on_a_recurrent_module_or_an_in_place_op():
+    # found by fuzzing: it keeps matmul outputs, which nn.GRU's CPU kernels change unseen (wrong
+    # gradients, silently) and `relu_()` changes seen (a failed backward with torch's message)
+    import octopipe
+    from octopipe.api import _without_selective_hazards
+    from octopipe.errors import OctopipeWarning, PlanError
+    from octopipe.passes.trace import selective_hazard
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    options = dict(example_inputs=(x,), example_target=y, loss_fn=lambda out, target: ((out - target) ** 2).mean(),
+                   num_microbatches=2, quiet=True)
+    cluster = octopipe.ClusterSpec.preset("cpu", num_devices=2)
+    pipe = octopipe.compile(_Recurrent(), cluster, schedule="1f1b", **options)
+    reasons = {layer.name: selective_hazard(pipe.graph, layer.index) for layer in pipe.graph.layers}
+    assert "recurrent module (GRU rnn)" in reasons["rnn"] and "in place (relu_)" in reasons["b"]
+    assert reasons["a"] is None
+    stages = pipe.plan.num_stages
+    selective = pipe.plan.with_recompute([False] * stages, [True] * stages)
+    with pytest.raises(PlanError, match="recomputes selectively where it cannot.*recompute those stages fully"):
+        octopipe.compile(_Recurrent(), cluster, plan=selective, **options)
+    # a searched plan that chose it recomputes those stages fully instead, with a warning
+    with pytest.warns(OctopipeWarning, match="those stages recompute fully instead"):
+        fixed = _without_selective_hazards(selective, pipe.graph, "the plan", given=False)
+    hazardous = [any(reasons[pipe.graph.layers[j].name] for j in range(s.layer_start, s.layer_end))
+                 for s in selective.stages]
+    assert [s.recompute for s in fixed.stages] == hazardous
+    assert [s.selective for s in fixed.stages] == [not h for h in hazardous]
