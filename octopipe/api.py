@@ -1200,21 +1200,22 @@ def _takes_two_arguments(function: Callable[..., Any]) -> bool:
 
 def _without_selective_hazards(chosen: PipelinePlan, graph: Any, where: str, given: bool) -> PipelinePlan:
     """`chosen`, where no selective stage holds a layer selective recomputation cannot run
-    (`trace.selective_hazard`: an in-place op on what it keeps, a recurrent module): a given
+    (`trace.selective_hazards`: an in-place op on what it keeps, a recurrent module): a given
     plan with one is refused; the search's gets full recomputation on that stage instead (it
     holds less than selective, and takes longer than planned), with a warning."""
     import warnings
 
     from octopipe.errors import OctopipeWarning
-    from octopipe.passes.trace import selective_hazard
+    from octopipe.passes.trace import selective_hazards
 
+    if not any(chosen.selective):
+        return chosen
+    reasons = selective_hazards(graph)
     hazards = {}
     for stage in chosen.stages:
-        if stage.selective:
-            reasons = [f"layer {j} ({graph.layers[j].name}) {reason}" for j in range(stage.layer_start, stage.layer_end)
-                       if (reason := selective_hazard(graph, j)) is not None]
-            if reasons:
-                hazards[stage.index] = reasons[0]
+        layer = next((j for j in range(stage.layer_start, stage.layer_end) if j in reasons), None)
+        if stage.selective and layer is not None:
+            hazards[stage.index] = f"layer {layer} ({graph.layers[layer].name}) {reasons[layer]}"
     if not hazards:
         return chosen
     listed = "; ".join(f"stage {index}: {reason}" for index, reason in hazards.items())

@@ -840,11 +840,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs: Any, target: Any,
                       loss_fn: Any) -> tuple[Any, Any]:
     """`train --profile` on CPU processes (local, or rank 0 under torchrun, on new processes of its
-    node while the others wait): (cluster, costs) measured as the demo measures them. Timing each layer alone (`costs="profile"`) and pricing no host time predicted small CPU
-    models' steps about 2x fast (llama tiny: 12.7 ms against 27.5 measured); here the link and the
-    runtime's per-op host time are measured (`calibrate_cpu_cluster`, into `cluster`'s other
-    figures), and every layer and message is timed inside pipelined steps on one pipeline's
-    processes (`bench.runtime_probe`)."""
+    node while the others wait): (cluster, costs) measured as the demo measures them. Timing each
+    layer alone (`costs="profile"`) and pricing no host time predicted small CPU models' steps
+    about 2x fast (llama tiny: 12.7 ms against 27.5 measured); here the link and the runtime's
+    per-op host time are measured (`calibrate_cpu_cluster`, into `cluster`'s other figures), and
+    every layer and message is timed inside pipelined steps on one pipeline's processes
+    (`bench.runtime_probe`)."""
     from octopipe.bench import calibrate_cpu_cluster, runtime_probe
 
     devices = cluster.num_devices // args.data_parallel

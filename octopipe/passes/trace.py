@@ -392,19 +392,18 @@ def without_grad(value: Any) -> Any:
     return value
 
 
-def selective_hazard(graph: LayerGraph, layer_index: int) -> str | None:
-    """Why selective recomputation cannot run this layer, or None: it keeps the matmul outputs of
-    the forward (`runtime.stage.SELECTIVE_SAVED_OPS`), and an in-place op that changes one after
-    (`x.relu_()`, `x += y`, `inplace=True`) fails the backward, or, inside a recurrent module's
-    kernels (nn.GRU on CPU), goes unseen and gives wrong gradients."""
+def selective_hazards(graph: LayerGraph) -> dict[int, str]:
+    """Layer index -> why selective recomputation cannot run that layer (layers not named: it
+    can). It keeps the matmul outputs of the forward (`runtime.stage.SELECTIVE_SAVED_OPS`), and
+    an in-place op that changes one after (`x.relu_()`, `x += y`, `inplace=True`) fails the
+    backward, or, inside a recurrent module's kernels (nn.GRU on CPU), goes unseen and gives
+    wrong gradients."""
     if graph.module is None:
-        return None
+        return {}
     modules = dict(graph.module.named_modules())
     nodes = {node.name: node for node in graph.module.graph.nodes}
-    for name in graph.layers[layer_index].nodes:
-        node = nodes.get(name)
-        if node is None:
-            continue
+
+    def hazard(node: fx.Node) -> str | None:
         if node.op == "call_module":
             module = modules.get(str(node.target))
             if isinstance(module, nn.RNNBase):
@@ -413,7 +412,14 @@ def selective_hazard(graph: LayerGraph, layer_index: int) -> str | None:
                 return f"runs {type(module).__name__}(inplace=True) ({node.target})"
         elif node.kwargs.get("inplace") is True or (_mutates(node) and node.target not in _NOT_IN_PLACE):
             return f"changes a tensor in place ({getattr(node.target, '__name__', node.target)})"
-    return None
+        return None
+
+    found = {}
+    for layer in graph.layers:
+        reason = next((r for name in layer.nodes if name in nodes and (r := hazard(nodes[name])) is not None), None)
+        if reason is not None:
+            found[layer.index] = reason
+    return found
 
 
 _NOT_IN_PLACE = frozenset({operator.and_, operator.or_, operator.not_, operator.is_})
