@@ -26,6 +26,7 @@ Triton kernels on GPU, C++ on CPU, slow to compile there).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from octopipe.errors import ArgumentError, PlanError, TraceError
+from octopipe.errors import ArgumentError, OctopipeWarning, PlanError, TraceError
 from octopipe.ir.graph import LayerGraph
 from octopipe.ir.plan import PipelinePlan
 from octopipe.passes.split_backward import split_backward as split_backward_pass
@@ -341,7 +342,51 @@ def codegen(
                                   is_loss=stage == last_stage, parameter_names=names, owners=tuple(owners.values()),
                                   recompute=plan.stages[stage].recompute, selective=plan.stages[stage].selective,
                                   compiled=compile))
+    if model is not None:
+        _hold_unused(stages, model, persistent, owner_of)
     return tuple(stages)
+
+
+UNUSED = "_octopipe_unused"
+"""The submodule of stage 0's module that holds the model's tensors its forward never reads."""
+
+
+def _hold_unused(stages: list[StageModule], model: nn.Module, persistent: set[str],
+                 owner_of: dict[int, nn.Module]) -> None:
+    """Give the first stage the parameters and persistent buffers of `model` that no stage reads
+    (a submodule the forward never calls): held nowhere, they would be missing from every rank's
+    state dict, so a checkpoint would lose them and an `init` checkpoint could not fill them. The
+    first stage's rank holds them (the same objects, under their own names); the forward never
+    reads them, so they get no gradient, as in the plain model. Warns, naming them."""
+    held = {id(t) for stage in stages for t in [*stage.module.parameters(), *stage.module.buffers()]}
+    unused = [(name, tensor, isinstance(tensor, nn.Parameter))
+              for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+              if id(tensor) not in held and (isinstance(tensor, nn.Parameter) or name in persistent)]
+    if not unused:
+        return
+    first = stages[0]
+    holder = nn.Module()
+    names = dict(first.parameter_names)
+    owners = {id(owner): owner for owner in first.owners}
+    for name, tensor, is_parameter in unused:
+        local = name.replace(".", "__")
+        if is_parameter:
+            holder.register_parameter(local, tensor)
+        else:
+            holder.register_buffer(local, tensor)
+        names[f"{UNUSED}.{local}"] = name
+        owner = owner_of.get(id(tensor))
+        if owner is not None:
+            owners.setdefault(id(owner), owner)
+    first.module.add_module(UNUSED, holder)
+    first.parameter_names = names
+    first.owners = tuple(owners.values())
+    size = sum(tensor.numel() * tensor.element_size() for _, tensor, _ in unused)
+    shown = ", ".join(name for name, _, _ in unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    warnings.warn(
+        f"codegen: the forward never reads {len(unused)} of the model's tensors ({shown}; {size / 2**20:.2f} MiB): "
+        "stage 0's rank holds them so that checkpoints keep them; they get no gradient, as in the plain model. "
+        "Delete the submodules the forward does not call to free that memory", OctopipeWarning, stacklevel=3)
 
 
 def tied_parameters(stages: Sequence[StageModule], plan: PipelinePlan) -> tuple[tuple[str, tuple[int, ...]], ...]:

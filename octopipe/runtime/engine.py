@@ -403,10 +403,19 @@ class Engine:
                     yield name, buffer
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """An optimizer over `parameters()`, or a factory called with them."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(self.parameters())
+        """An optimizer over `parameters()`, or a factory called with them. A rank that holds no
+        parameters (a plan may give one only parameterless layers, the loss say) calls the factory
+        with one empty stand-in parameter, since torch refuses an optimizer over none: it never gets
+        a gradient, so stepping changes nothing, and no state dict names it."""
         own = {id(p) for p in self._params.values()}
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            params = self.parameters()
+            if not params:
+                stand_in = nn.Parameter(torch.zeros(0, device=self.device))
+                setattr(stand_in, _STAND_IN, True)
+                own.add(id(stand_in))
+                params = [stand_in]
+            optimizer = optimizer(params)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in own:
@@ -1015,6 +1024,10 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+_STAND_IN = "_octopipe_stand_in"
+"""The attribute marking `Engine.attach_optimizer`'s stand-in parameter (a rank with none)."""
+
+
 def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter]) -> dict[str, Any]:
     """optimizer.state_dict() with parameter names instead of positions."""
     name_of = {id(p): name for name, p in named_parameters.items()}
@@ -1022,10 +1035,12 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
     position_name: dict[int, str] = {}
     for group, raw_group in zip(optimizer.param_groups, raw["param_groups"]):
         for param, position in zip(group["params"], raw_group["params"]):
-            position_name[position] = name_of[id(param)]
+            if not getattr(param, _STAND_IN, False):
+                position_name[position] = name_of[id(param)]
     return {
-        "state": {position_name[k]: v for k, v in raw["state"].items()},
-        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [position_name[p] for p in g["params"]]}
+        "state": {position_name[k]: v for k, v in raw["state"].items() if k in position_name},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [position_name[p] for p in g["params"] if p in position_name]}
                          for g in raw["param_groups"]],
     }
 
@@ -1043,7 +1058,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
     for group, saved in zip(optimizer.param_groups, groups):
         positions = []
         for param in group["params"]:
-            name = name_of[id(param)]
+            name = None if getattr(param, _STAND_IN, False) else name_of[id(param)]
             if name in state["state"]:
                 raw_state[position] = state["state"][name]
             positions.append(position)

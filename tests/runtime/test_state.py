@@ -7,6 +7,7 @@ import pytest
 import torch
 from pipeline_helpers import build_model, greedy_plan, make_case, reference
 
+import octopipe
 from octopipe.runtime import launch, load_into_model
 from octopipe.runtime.engine import merge_state_dicts
 
@@ -213,3 +214,79 @@ def test_compiled_and_eager_stages_of_one_plan_name_their_dropout_streams_alike(
     # linears by another name: a checkpoint still moves between compile_stages=True and False
     for eager, compiled in launch(_stream_keys, 2, ("zb-v",), timeout_s=90):
         assert eager and compiled == eager
+
+
+class _WithUnused(torch.nn.Module):
+    """Two linear layers, then only parameterless ops (the last stage holds none), and a submodule
+    and a buffer the forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.head_for_later = torch.nn.Linear(8, 3)
+        self.register_buffer("calls", torch.tensor(7))
+
+    def forward(self, x):
+        return torch.relu(self.b(torch.tanh(self.a(x))))
+
+
+def _unused_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+
+
+def _unused_pipe():
+    torch.manual_seed(0)
+    x, y = _unused_batch()
+    with pytest.warns(UserWarning, match=r"never reads 3 of the model's tensors \(head_for_later.weight"):
+        return octopipe.compile(_WithUnused(), "cpux2", example_inputs=(x,), example_target=y,
+                                loss_fn=torch.nn.functional.mse_loss, num_microbatches=2, schedule="1f1b",
+                                partition=[0, 2, 3], quiet=True)
+
+
+def _unused_run(rank, world_size, path):
+    pipe = _unused_pipe()
+    x, y = _unused_batch()
+    engine = pipe.engine(rank, optimizer=_adamw)  # rank 1 holds no parameter: the factory gets a stand-in
+    held = [name for name, _ in engine.named_parameters()]
+    losses = []
+    for _ in range(2):
+        losses.append(engine.step((x,), y))
+        engine.optimizer_step()
+    engine.save_checkpoint(path)
+    resumed = pipe.engine(rank, optimizer=_adamw, init=path)
+    resumed.load_checkpoint(path)
+    losses.append(resumed.step((x,), y))
+    resumed.optimizer_step()
+    return held, losses, resumed.gather_state_dict(0)
+
+
+@pytest.mark.timeout(120)
+def test_unused_tensors_are_checkpointed_and_a_rank_without_parameters_takes_an_optimizer_factory(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    (held0, losses, merged), (held1, losses1, _) = launch(_unused_run, 2, (path,), timeout_s=90)
+    assert held1 == [] and "head_for_later.weight" in held0
+    torch.manual_seed(0)
+    model = _WithUnused()
+    plain = model.state_dict()
+    optimizer = _adamw(model.parameters())
+    x, y = _unused_batch()
+    expected = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        expected.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses == losses1 == pytest.approx(expected, rel=1e-5)
+    # the merged checkpoint has every tensor of the model's own state dict, the unused ones as they began
+    assert set(merged["model"]) == set(model.state_dict())
+    torch.testing.assert_close(merged["model"]["head_for_later.weight"], plain["head_for_later.weight"])
+    assert int(merged["model"]["calls"]) == 7
+    _assert_params_close(merged["model"], {k: v for k, v in model.state_dict().items()})
+    # and loads into the plain model and its optimizer (no state for the never-stepped head, as in eager)
+    fresh = _WithUnused()
+    fresh_optimizer = _adamw(fresh.parameters())
+    load_into_model(fresh, merged, fresh_optimizer)
+    assert set(merged["optimizer"]["state"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
