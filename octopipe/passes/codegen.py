@@ -359,30 +359,29 @@ def _hold_unused(stages: list[StageModule], model: nn.Module, persistent: set[st
     first stage's rank holds them (the same objects, under their own names); the forward never
     reads them, so they get no gradient, as in the plain model. Warns, naming them."""
     held = {id(t) for stage in stages for t in [*stage.module.parameters(), *stage.module.buffers()]}
-    unused = [(name, tensor, isinstance(tensor, nn.Parameter))
-              for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-              if id(tensor) not in held and (isinstance(tensor, nn.Parameter) or name in persistent)]
-    if not unused:
+    parameters = [(name, p) for name, p in model.named_parameters() if id(p) not in held]
+    buffers = [(name, b) for name, b in model.named_buffers() if id(b) not in held and name in persistent]
+    if not parameters and not buffers:
         return
     first = stages[0]
     holder = nn.Module()
     names = dict(first.parameter_names)
     owners = {id(owner): owner for owner in first.owners}
-    for name, tensor, is_parameter in unused:
-        local = name.replace(".", "__")
-        if is_parameter:
-            holder.register_parameter(local, tensor)
-        else:
-            holder.register_buffer(local, tensor)
-        names[f"{UNUSED}.{local}"] = name
+    for name, parameter in parameters:
+        holder.register_parameter(name.replace(".", "__"), parameter)
+    for name, buffer in buffers:
+        holder.register_buffer(name.replace(".", "__"), buffer)
+    unused = [*parameters, *buffers]
+    for name, tensor in unused:
+        names[f"{UNUSED}.{name.replace('.', '__')}"] = name
         owner = owner_of.get(id(tensor))
         if owner is not None:
             owners.setdefault(id(owner), owner)
     first.module.add_module(UNUSED, holder)
     first.parameter_names = names
     first.owners = tuple(owners.values())
-    size = sum(tensor.numel() * tensor.element_size() for _, tensor, _ in unused)
-    shown = ", ".join(name for name, _, _ in unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+    size = sum(tensor.numel() * tensor.element_size() for _, tensor in unused)
+    shown = ", ".join(name for name, _ in unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
     warnings.warn(
         f"codegen: the forward never reads {len(unused)} of the model's tensors ({shown}; {size / 2**20:.2f} MiB): "
         "stage 0's rank holds them so that checkpoints keep them; they get no gradient, as in the plain model. "
