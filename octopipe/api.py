@@ -919,7 +919,7 @@ def compile(
     those all-reduces, a bucket per stage once its backward is done: `Pipeline.data_parallel_ms`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
-    from octopipe.passes.trace import kept_buffers, trace
+    from octopipe.passes.trace import kept_buffers, selective_hazards, trace
     from octopipe.passes.verify import verify
     from octopipe.runtime.amp import autocast_dtype
 
@@ -974,6 +974,8 @@ def compile(
         if len(table) != len(graph.layers):
             raise OctopipeError(f"compile: the cost table has {len(table)} layers but the traced model has "
                                 f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
+        hazards = selective_hazards(graph)
+        table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
         report = None
         runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
@@ -999,7 +1001,7 @@ def compile(
                             f"{len(graph.layers)}; plan this model (octopipe.plan, "
                             "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
-        chosen = _without_selective_hazards(chosen, graph, where, given=plan is not None or schedule is not None)
+        _check_selective_hazards(chosen, graph, hazards, where)
         if chosen.num_devices > cluster.num_devices:
             per = (f" per replica ({full_cluster.num_devices} in all, {data_parallel} replicas)"
                    if data_parallel > 1 else "")
@@ -1198,36 +1200,20 @@ def _takes_two_arguments(function: Callable[..., Any]) -> bool:
     return True
 
 
-def _without_selective_hazards(chosen: PipelinePlan, graph: Any, where: str, given: bool) -> PipelinePlan:
-    """`chosen`, where no selective stage holds a layer selective recomputation cannot run
-    (`trace.selective_hazards`: an in-place op on what it keeps, a recurrent module): a given
-    plan with one is refused; the search's gets full recomputation on that stage instead (it
-    holds less than selective, and takes longer than planned), with a warning."""
-    import warnings
-
-    from octopipe.errors import OctopipeWarning
-    from octopipe.passes.trace import selective_hazards
-
-    if not any(chosen.selective):
-        return chosen
-    reasons = selective_hazards(graph)
+def _check_selective_hazards(chosen: PipelinePlan, graph: Any, reasons: Mapping[int, str], where: str) -> None:
+    """Refuse a plan whose selective stage holds a layer selective recomputation cannot run
+    (`trace.selective_hazards`, given as `reasons`: an in-place op on what it keeps, a recurrent
+    module). The search never plans one (compile's cost table does not offer it there)."""
     hazards = {}
     for stage in chosen.stages:
         layer = next((j for j in range(stage.layer_start, stage.layer_end) if j in reasons), None)
         if stage.selective and layer is not None:
             hazards[stage.index] = f"layer {layer} ({graph.layers[layer].name}) {reasons[layer]}"
-    if not hazards:
-        return chosen
-    listed = "; ".join(f"stage {index}: {reason}" for index, reason in hazards.items())
-    if given:
+    if hazards:
+        listed = "; ".join(f"stage {index}: {reason}" for index, reason in hazards.items())
         raise PlanError(f"compile: {where} recomputes selectively where it cannot ({listed}): selective recomputation "
                         "keeps matmul outputs that such an op changes (a failed backward, or wrong gradients); "
                         "recompute those stages fully or not at all (plan.with_recompute)")
-    warnings.warn(f"compile: the plan recomputed selectively where it cannot ({listed}); those stages recompute "
-                  "fully instead (less memory, more time than planned)", OctopipeWarning, stacklevel=3)
-    recompute = [stage.recompute or stage.index in hazards for stage in chosen.stages]
-    selective = [stage.selective and stage.index not in hazards for stage in chosen.stages]
-    return chosen.with_recompute(recompute, selective)
 
 
 def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro: Sequence[Any],

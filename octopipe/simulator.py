@@ -167,6 +167,14 @@ def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
             raise PlanError(f"stages {[s.index for s in plan.stages if s.selective]} recompute selectively, but the cost "
                             f"table {costs.model!r} does not say what that holds and costs (no layer has "
                             "selective_activation_bytes); use analytic costs of the model, or a plan without it")
+        for stage in plan.stages:
+            unknown = costs.selective_unknown(stage.layer_start, stage.layer_end) if stage.selective else None
+            if unknown is not None:
+                raise PlanError(f"stage {stage.index} recomputes selectively, but the cost table {costs.model!r} does "
+                                f"not say what that holds and costs for its layer {unknown} "
+                                f"({costs.layers[unknown].name!r}: no selective_activation_bytes; the analysis leaves it "
+                                "out where selective recomputation cannot run a layer); recompute that stage fully "
+                                "or not at all")
         cached = plan._cache[key] = (costs, StageCosts.of(plan.boundaries, costs, plan.recompute, plan.selective))
     return cached[1]
 

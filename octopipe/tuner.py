@@ -676,6 +676,8 @@ class _Search:
                  simulated: SimResult | None = None) -> Candidate | None:
         """`plan` simulated and kept where it is the best yet (`simulated`: its simulation, where
         the caller has it; counted as the same work, so the search's course does not change)."""
+        if not self.selectable(structure):
+            return None
         self.evaluations += 1
         self.work += plan.num_ops()
         if simulated is not None:
@@ -707,10 +709,20 @@ class _Search:
         if known is None or candidate.iteration_ms < known.iteration_ms - 1e-9:
             self.best_of_shape[shape] = candidate
 
+    def selectable(self, structure: Structure) -> bool:
+        """Whether the costs know selective recomputation on every stage `structure` recomputes
+        selectively (the analysis leaves out the layers it cannot run: such a move is no plan)."""
+        return not structure.selective or all(
+            not flag or self.costs.selective_unknown(a, b) is None
+            for flag, a, b in zip(structure.selective, structure.boundaries, structure.boundaries[1:]))
+
     def schedule(self, structure: Structure, policy: Policy, origin: str) -> Candidate | None:
         key = (structure, policy)
         if key in self.scheduled:
             return self.scheduled[key]
+        if not self.selectable(structure):
+            self.scheduled[key] = None
+            return None
         self.work += structure.num_stages * self.m * (3 if policy.split_backward else 2)
         try:
             plan = list_schedule(structure, self.costs, self.cluster, self.m, policy, self.budget_for(structure),

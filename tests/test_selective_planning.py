@@ -176,6 +176,25 @@ def test_the_search_recomputes_selectively_where_it_is_cheaper_than_recomputing_
     assert "selective recomputation on stage" in str(chosen.report)
 
 
+def test_the_search_never_recomputes_selectively_a_stage_holding_a_layer_whose_costs_do_not_say():
+    # layer 1's costs leave selective recomputation out (the analysis does where it cannot run:
+    # an in-place op, a recurrent module); priced as keeping everything, the old search still put
+    # it in selective stages beside layers that gain, which compile then had to undo
+    layers = [LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=1000 if i != 1 else 50,
+                        output_bytes=10, selective_activation_bytes=100 if i != 1 else None,
+                        selective_recompute_ms=0.1 if i != 1 else None) for i in range(8)]
+    costs = CostTable(layers, model="one unknown")
+    cluster = ClusterSpec.preset("cpu", num_devices=2)
+    for limit in (4000, 3000):
+        chosen = octopipe.plan(costs, cluster, 8, activation_limit=limit, quiet=True, time_limit_s=20,
+                              effort=0.2).plan
+        assert any(chosen.selective)  # the others still gain from it
+        assert not any(s.selective and s.layer_start <= 1 < s.layer_end for s in chosen.stages), chosen
+    given = PipelinePlan.parse(TWO_STAGE.replace("layers=2:3", "layers=2:8"))
+    with pytest.raises(PlanError, match=r"stage 0 recomputes selectively.*its layer 1 \('l1'"):
+        simulate(given, costs, cluster)
+
+
 def test_compile_runs_a_selective_plan_from_analytic_costs():
     torch.manual_seed(0)
     model = _Net()

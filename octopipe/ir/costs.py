@@ -15,7 +15,9 @@ another M; `plan` and `simulate` do that for the M they are given.
 Selective recomputation (a stage's `Stage.selective`): `selective_activation_bytes` is what the
 layer holds from F to B when it keeps only its compute-heavy ops' outputs (matmuls, attention,
 convolutions), and `selective_recompute_ms` what recomputing the rest at B costs;
-absent: not known, and the planner does not offer it.
+absent: not known, and the planner does not offer it on a stage holding that layer (the analysis
+and profiling passes leave it out where selective recomputation cannot run the layer: an
+in-place op or a recurrent module, `passes/trace.selective_hazards`).
 Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the
 next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
@@ -316,6 +318,24 @@ class CostTable:
     def has_selective_info(self) -> bool:
         """Whether the table knows what selective recomputation holds and costs (some layer says)."""
         return any(layer.selective_activation_bytes is not None for layer in self.layers)
+
+    def selective_unknown(self, start: int, end: int) -> int | None:
+        """The first layer of [start, end) whose selective recomputation the table does not know
+        (no `selective_activation_bytes`): a stage holding it is not recomputed selectively. None: all known."""
+        missing = self._derived.get("selective_unknown")
+        if missing is None:
+            missing = self._derived["selective_unknown"] = tuple(
+                index for index, layer in enumerate(self.layers) if layer.selective_activation_bytes is None)
+        return next((index for index in missing if start <= index < end), None)
+
+    def without_selective(self, layers: Iterable[int]) -> CostTable:
+        """This table with what selective recomputation holds and costs removed from `layers`
+        (layers it cannot run), so that no plan of it recomputes them selectively."""
+        drop = set(layers)
+        if not any(self.layers[i].selective_activation_bytes is not None for i in drop):
+            return self
+        return self.replace_layers(replace(layer, selective_activation_bytes=None, selective_recompute_ms=None)
+                                   if index in drop else layer for index, layer in enumerate(self.layers))
 
     @property
     def has_memory_info(self) -> bool:

@@ -82,7 +82,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, OctopipeError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import LayerGraph
-from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, propagate_shapes
+from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, propagate_shapes, selective_hazards
 
 __all__ = [
     "FORMULA_NAMES",
@@ -1338,8 +1338,9 @@ def analytic_costs(
             )
         )
     sizes = {name: _to_bytes(poly.evaluate(batch_size, seq)) for work in works for name, poly in work.edge_bytes.items()}
-    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes),
-                     skips=graph.skip_tensors(sizes), num_microbatches=num_microbatches)
+    table = CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(dtype_bytes),
+                      skips=graph.skip_tensors(sizes), num_microbatches=num_microbatches)
+    return table.without_selective(selective_hazards(graph))  # layers selective recomputation cannot run
 
 
 def _gradient_bytes(layer: Any, params: Mapping[str, nn.Parameter], modules: Mapping[str, nn.Module]

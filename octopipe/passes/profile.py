@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from octopipe.errors import ExecutionError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import Layer, LayerGraph
+from octopipe.passes.trace import selective_hazards
 from octopipe.runtime import amp
 from octopipe.runtime.stage import SELECTIVE_SAVED_OPS, selective_checkpoint
 
@@ -102,8 +103,9 @@ def profile_costs(
                                (num_microbatches - 1) / num_microbatches))
     sizes = {edge.name: sum(t.numel() * t.element_size() for t in _flat_tensors(captured[edge.name]))
              for edge in graph.skip_edges if edge.name in captured}
-    return CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes),
-                     num_microbatches=num_microbatches)
+    table = CostTable(tuple(layers), model=graph.model, tied=graph.tied_parameters(), skips=graph.skip_tensors(sizes),
+                      num_microbatches=num_microbatches)
+    return table.without_selective(selective_hazards(graph))  # layers selective recomputation cannot run
 
 
 # ---------------------------------------------------------------------------- cutting the graph

@@ -4,6 +4,8 @@ ops of the forward again first. Recomputing them gives the same values, so the l
 gradient are those of the same plan without it (bitwise) and of single-process training; with
 dropout, B's recomputation draws F's masks."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from pipeline_helpers import assert_grads_close, greedy_plan, make_case, reference, schedule_plan
@@ -162,8 +164,8 @@ def test_selective_recomputation_is_never_run_on_a_recurrent_module_or_an_in_pla
     # found by fuzzing: it keeps matmul outputs, which nn.GRU's CPU kernels change unseen (wrong
     # gradients, silently) and `relu_()` changes seen (a failed backward with torch's message)
     import octopipe
-    from octopipe.api import _without_selective_hazards
-    from octopipe.errors import OctopipeWarning, PlanError
+    from octopipe.errors import PlanError
+    from octopipe.passes.costs import analytic_costs
     from octopipe.passes.trace import selective_hazards
 
     torch.manual_seed(0)
@@ -176,14 +178,17 @@ def test_selective_recomputation_is_never_run_on_a_recurrent_module_or_an_in_pla
     reasons = {layer.name: found.get(layer.index) for layer in pipe.graph.layers}
     assert "recurrent module (GRU rnn)" in reasons["rnn"] and "in place (relu_)" in reasons["b"]
     assert reasons["a"] is None
+    # the costs do not offer it there (so the search never plans it), the other layers keep it
+    for table in (pipe.costs, analytic_costs(pipe.graph, cluster, batch_size=2)):
+        offered = {layer.name: layer.selective_activation_bytes is not None for layer in table.layers}
+        assert offered == {name: reason is None for name, reason in reasons.items()}
     stages = pipe.plan.num_stages
     selective = pipe.plan.with_recompute([False] * stages, [True] * stages)
     with pytest.raises(PlanError, match="recomputes selectively where it cannot.*recompute those stages fully"):
         octopipe.compile(_Recurrent(), cluster, plan=selective, **options)
-    # a searched plan that chose it recomputes those stages fully instead, with a warning
-    with pytest.warns(OctopipeWarning, match="those stages recompute fully instead"):
-        fixed = _without_selective_hazards(selective, pipe.graph, "the plan", given=False)
-    hazardous = [any(reasons[pipe.graph.layers[j].name] for j in range(s.layer_start, s.layer_end))
-                 for s in selective.stages]
-    assert [s.recompute for s in fixed.stages] == hazardous
-    assert [s.selective for s in fixed.stages] == [not h for h in hazardous]
+    # a given cost table that says otherwise is corrected the same way
+    told = pipe.costs.replace_layers(replace(layer, selective_activation_bytes=8, selective_recompute_ms=0.1)
+                                     for layer in pipe.costs.layers)
+    again = octopipe.compile(_Recurrent(), cluster, schedule="1f1b", costs=told, **options)
+    assert [layer.selective_activation_bytes is not None for layer in again.costs.layers] == \
+        [reason is None for reason in reasons.values()]
