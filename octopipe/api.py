@@ -177,7 +177,8 @@ def plan(
     activation_budget = _activation_limit(activation_limit, baseline_sims)
     fallback_bounds, infeasible = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget,
                                                          memory)
-    start_plans = dict(baseline_plans)
+    start_plans = {**baseline_plans, **schedules.every_partition(costs, cluster, num_microbatches, baseline_plans,
+                                                                 num_devices=p)}
     if fallback_bounds is not None:
         start_plans["one microbatch in flight"] = _low_memory_plan(costs, cluster, num_microbatches, fallback_bounds,
                                                                    p, memory)

@@ -51,6 +51,8 @@ boundaries [0, b1, ..., L].
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -612,6 +614,42 @@ def build(
     bounds = _boundaries(partition, costs, placement, options, name)
     orders = family.order(p, num_microbatches, v)
     return PipelinePlan.build(num_microbatches, bounds, placement, orders, num_devices=p)
+
+
+EVERY_PARTITION_LIMIT = 32
+"""`every_partition` builds a family on each of its contiguous partitions where there are at most this many."""
+
+
+def every_partition(
+    costs: CostTable, cluster: ClusterSpec, num_microbatches: int, known: Mapping[str, PipelinePlan], *,
+    num_devices: int | None = None, limit: int = EVERY_PARTITION_LIMIT,
+) -> dict[str, PipelinePlan]:
+    """Every family on each of its contiguous partitions ("<family>/0,1,4" by boundaries), for the
+    families with at most `limit` of them (few layers for their stages: a tiny model), less those
+    in `known` (`baselines`' plans, by family and boundaries): there the search starts from all of
+    them, so its plan is never slower than a baseline on any partition (the balanced partition
+    weighs compute only; a slow link wants the cut where the least crosses it)."""
+    p = num_devices or cluster.num_devices
+    layers = len(costs)
+    built = {(name.split("/")[0], plan.boundaries) for name, plan in known.items()}
+    plans: dict[str, PipelinePlan] = {}
+    for name in NAMES:
+        try:
+            stages = len(placement_of(name, p))
+        except PlanError:
+            continue
+        if not 1 <= stages <= layers or math.comb(layers - 1, stages - 1) > limit:
+            continue
+        for cuts in itertools.combinations(range(1, layers), stages - 1):
+            bounds = (0, *cuts, layers)
+            if (name, bounds) in built:
+                continue
+            try:
+                plans[f"{name}/{','.join(map(str, bounds))}"] = build(
+                    name, costs, cluster, num_microbatches, num_devices=p, partition=list(bounds))
+            except PlanError:
+                continue
+    return plans
 
 
 def baselines(

@@ -1007,14 +1007,20 @@ def tune(
     repairable = sorted((c for c in starts if not c.feasible and c.overshoot <= 0.15),
                         key=lambda c: (c.iteration_ms, c.origin))
     climbed: set[Structure] = set()
+    orders_climbed: set[tuple] = set()  # a baseline's own order (no policy) under its structure
     for group, count in ((feasible, 4), (repairable, 2)):
         used = 0
         for candidate in group:
             if used >= count or search.exhausted():
                 break
-            if candidate.structure in climbed and candidate.policy is not None:
+            if candidate.policy is not None and candidate.structure in climbed:
+                continue
+            # two baselines whose partitions coincide (uniform and balanced often do) are one start
+            order = (candidate.structure, candidate.plan.device_ops)
+            if candidate.policy is None and order in orders_climbed:
                 continue
             climbed.add(candidate.structure)
+            orders_climbed.add(order)
             used += 1
             _local_search(search, candidate, rng)
     # 4. iterated local search: perturb the best structure by a few random moves, climb again;

@@ -1,7 +1,9 @@
 """`octopipe.plan`: the plan it returns simulates to what its report says, fits the limits, never
 loses to a baseline that fits, is deterministic; bad inputs fail with the fix in the message."""
 
+import itertools
 import json
+import math
 import os
 import random
 import re
@@ -75,8 +77,8 @@ def test_plan_report_matches_the_simulation_and_beats_what_fits():
 @pytest.mark.timeout(180)
 def test_the_solver_gets_more_work_where_the_order_bound_leaves_room(monkeypatch):
     # the demo's model as profiled on this CPU (10 layers, 2 processes, 4 microbatches): the
-    # tuner's 6-stage plan is ~10% above its structure's order bound; with ortools 9.15 the short
-    # CP-SAT model finds nothing, the longer one an order ~6.5% faster (W deferred into the drain)
+    # tuner's 6-stage plan is 5% above its structure's order bound (it was 14% until stop 36, when
+    # the longer CP-SAT model found an order 6.5% faster); the longer model still improves on it
     saved = octopipe.api.load_saved_plan(os.path.join(os.path.dirname(__file__), "data", "demo_cpu_plan.json"))
     costs, cluster = saved.costs, saved.cluster
 
@@ -88,13 +90,39 @@ def test_the_solver_gets_more_work_where_the_order_bound_leaves_room(monkeypatch
 
     result, tuner_ms = planned()
     assert any("CP-SAT given" in note for note in result.report.notes), result.report.notes
-    assert result.report.iteration_ms <= 0.97 * tuner_ms, (result.report.iteration_ms, tuner_ms)
+    assert result.report.iteration_ms < tuner_ms - 1.0, (result.report.iteration_ms, tuner_ms)
     assert result.report.order_bound_ms <= result.report.iteration_ms
     monkeypatch.setattr(octopipe.api, "WHOLE_ORDER_WORK", octopipe.api.SOLVER_WORK)
     short, short_tuner_ms = planned()
     assert short_tuner_ms == pytest.approx(tuner_ms)  # the same tuner plan: only the solver's work differs
     # one worker, the same hint: the longer model continues the short one's search
     assert result.report.iteration_ms <= short.report.iteration_ms + 1e-9
+
+
+def test_a_tiny_model_plan_is_never_slower_than_any_baseline_on_any_partition():
+    # found by fuzzing (2 devices, 4 layers, the cpux2 preset's 2 GB/s link): block l1's output
+    # takes 20 ms to send, the embedding's 1.2 ms, so the best cut is after the embedding, far from
+    # the compute-balanced one; the search climbed only the 4-stage starts (uniform and balanced
+    # coincide, and the same start was climbed twice) and returned 241.2 ms where zb-h2 on
+    # [0, 1, 4] runs 181.5; a tiny table's every partition is now a start
+    def layer(name, kind, f, b, w, activation, output, params):
+        return LayerCost(name, kind=kind, forward_ms=f, backward_ms=b, backward_weight_ms=w,
+                         activation_bytes=activation, output_bytes=output, param_bytes=params)
+
+    costs = CostTable([layer("l0", "embedding", 0.8837, 1.3605, 0.6279, 74465392, 2404181, 267786548),
+                       layer("l1", "block", 9.4046, 16.7395, None, 352668006, 40555963, 230571233),
+                       layer("l2", "block", 0.9813, 2.2971, 0.7638, 202346290, 27942647, 7604230),
+                       layer("l3", "head", 4.5615, 8.4583, 3.8375, 120536107, 40137648, 353979751)], model="fuzz 515")
+    cluster = ClusterSpec.preset("cpux2")
+    result = octopipe.plan(costs, cluster, 4, quiet=True, effort=0.2, memory_limit_bytes=10**15)
+    best = math.inf
+    for name in octopipe.schedules.NAMES:
+        stages = len(octopipe.schedules.placement_of(name, 2))
+        for cuts in itertools.combinations(range(1, 4), stages - 1):
+            plan_ = octopipe.schedules.build(name, costs, cluster, 4, partition=[0, *cuts, 4])
+            best = min(best, simulate(plan_, costs, cluster).iteration_ms)
+    assert best == pytest.approx(181.5217, abs=1e-3)
+    assert result.report.iteration_ms <= best * (1 + 1e-9)
 
 
 def test_min_gain_keeps_the_best_fitting_baseline_unless_the_search_beats_it_by_that_much():
