@@ -154,7 +154,7 @@ class Transport:
         if "Timed out" in text or "timeout" in text.lower():
             reason = f"{who} did not answer within {self.timeout_s:g} s (stalled, or waiting on something else)"
         elif "closed" in text.lower() or "reset" in text.lower() or "broken pipe" in text.lower():
-            reason = f"{who} went away (its process died or closed the connection)"
+            reason = f"{who} went away ({'its' if peer >= 0 else 'a'} process died or closed the connection)"
         else:
             reason = f"communication with {who} failed"
         return ExecutionError(f"rank {self.rank}: {what}: {reason}: {text}")

@@ -63,6 +63,7 @@ import contextlib
 import functools
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from octopipe.errors import ArgumentError, ExecutionError
+from octopipe.errors import ArgumentError, ExecutionError, OctopipeWarning
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
@@ -235,17 +236,24 @@ class Engine:
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
-        self._tied_groups = self._make_tied_groups()
-        self._data_group, self._pipeline_group = self._make_replica_groups()
+        try:  # collectives every rank joins: a rank that failed above (its init, say) leaves them
+            self._tied_groups = self._make_tied_groups()
+            self._data_group, self._pipeline_group = self._make_replica_groups()
+        except RuntimeError as exc:
+            raise self.transport.error("setting up the engine (every rank exchanges its tied parameters)", -1,
+                                       exc) from exc
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
         """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
         self._buckets = self._plan_buckets() if self.replicas.size > 1 else {}
         """With replicas: instruction position -> the gradients to all-reduce once it has run."""
-        if init is not None and not is_checkpoint(init):
-            self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
-        if self.replicas.size > 1:
-            self._broadcast_from_first_replica()  # as DDP does: the replicas start equal, whatever each drew
+        try:
+            if init is not None and not is_checkpoint(init):
+                self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
+            if self.replicas.size > 1:
+                self._broadcast_from_first_replica()  # as DDP does: the replicas start equal, whatever each drew
+        except RuntimeError as exc:
+            raise self.transport.error("setting up the engine (the ranks share their first values)", -1, exc) from exc
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
@@ -404,18 +412,43 @@ class Engine:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """An optimizer over `parameters()`, or a factory called with them. A rank that holds no
-        parameters (a plan may give one only parameterless layers, the loss say) calls the factory
-        with one empty stand-in parameter, since torch refuses an optimizer over none: it never gets
-        a gradient, so stepping changes nothing, and no state dict names it."""
+        parameter that trains (a plan may give one only parameterless layers, the loss say, or
+        only frozen ones) calls the factory with them and one empty 2-D stand-in parameter, since
+        torch refuses an optimizer over none: it never gets a gradient, so stepping changes
+        nothing, and no state dict names it. It has the shape of a weight, so the usual filters
+        (`p.requires_grad`, `p.ndim > 1` for decay) keep it; a factory whose filter keeps none of
+        a rank's parameters (only 1-D ones there) is called again with it beside them."""
         own = {id(p) for p in self._params.values()}
         if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise ArgumentError(f"rank {self.rank}: attach_optimizer takes a torch.optim.Optimizer or a function "
+                                    f"of the parameters returning one, got {type(optimizer).__name__}")
             params = self.parameters()
-            if not params:
-                stand_in = nn.Parameter(torch.zeros(0, device=self.device))
-                setattr(stand_in, _STAND_IN, True)
-                own.add(id(stand_in))
-                params = [stand_in]
-            optimizer = optimizer(params)
+            factory = optimizer
+            # with no parameter that trains, the stand-in from the start; where the factory's
+            # filter keeps none of this rank's (only 1-D ones under `p.ndim > 1`), with it again
+            for attempt in (0, 1) if any(p.requires_grad for p in params) else (1,):
+                if attempt:
+                    stand_in = nn.Parameter(torch.zeros(0, 0, device=self.device))
+                    setattr(stand_in, _STAND_IN, True)
+                    own.add(id(stand_in))
+                    params = [*params, stand_in]
+                try:
+                    optimizer = factory(params)
+                    break
+                except ValueError as exc:
+                    if "empty parameter list" not in str(exc):
+                        raise
+                    if attempt:
+                        raise ArgumentError(
+                            f"rank {self.rank}: the optimizer factory selected none of this rank's parameters, nor "
+                            f"the empty stand-in it gets beside them (torch: {exc}); a plan may give a rank only "
+                            "frozen, 1-D or no parameters: make the factory keep at least one, e.g. fall back to "
+                            "all it is given (`[p for p in params if ...] or params`)") from exc
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ArgumentError(f"rank {self.rank}: the optimizer factory returned {type(optimizer).__name__}, not "
+                                    "a torch.optim.Optimizer; return the optimizer it builds over the parameters it "
+                                    "is given (e.g. `lambda params: torch.optim.AdamW(params, lr=1e-3)`)")
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in own:
@@ -958,7 +991,12 @@ class Engine:
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
         if self.optimizer is not None and "optimizer" in state:
-            load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"])
+            load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"],
+                                 f"rank {self.rank}: load_state_dict")
+        elif "optimizer" in state and self._params:
+            warnings.warn(f"rank {self.rank}: load_state_dict: the state holds optimizer state but this engine has no "
+                          "optimizer, so it is not loaded; attach the optimizer first (pipe.engine(rank, "
+                          "optimizer=...) or engine.attach_optimizer), then load", OctopipeWarning, stacklevel=2)
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         streams = state.get("random")
@@ -1046,12 +1084,14 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
-                         state: Mapping[str, Any]) -> None:
+                         state: Mapping[str, Any], where: str = "load_optimizer_state") -> None:
     """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`."""
     name_of = {id(p): name for name, p in named_parameters.items()}
     groups = state["param_groups"]
     if len(groups) != len(optimizer.param_groups):
-        raise ExecutionError(f"optimizer state has {len(groups)} param groups, the optimizer {len(optimizer.param_groups)}")
+        raise ExecutionError(f"{where}: the saved optimizer state has {len(groups)} param groups, this optimizer "
+                             f"{len(optimizer.param_groups)}; build the optimizer with the param groups of the run "
+                             "that saved it (the same factory)")
     raw_state: dict[int, Any] = {}
     raw_groups = []
     position = 0
@@ -1137,7 +1177,7 @@ def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch
                *((name, buffer, False) for name, buffer in model.named_buffers())]
     load_named(tensors, entries, 0, "state")
     if optimizer is not None and "optimizer" in state:
-        load_optimizer_state(optimizer, named, state["optimizer"])
+        load_optimizer_state(optimizer, named, state["optimizer"], "load_into_model")
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -290,3 +290,71 @@ def test_unused_tensors_are_checkpointed_and_a_rank_without_parameters_takes_an_
     fresh_optimizer = _adamw(fresh.parameters())
     load_into_model(fresh, merged, fresh_optimizer)
     assert set(merged["optimizer"]["state"]) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+
+
+def test_optimizer_factories_on_a_rank_without_parameters_that_train():
+    # found by fuzzing: a factory that filters (no decay on 1-D parameters; trainable only) left
+    # torch an empty list on such a rank (a raw ValueError), and one returning None an AttributeError
+    from octopipe.errors import ArgumentError, OctopipeWarning
+
+    pipe = _unused_pipe()
+    empty = pipe.engine(1)  # only the loss: no parameters (no process group needed to build it)
+    factories = {
+        "all": _adamw,
+        "weights only": lambda ps: torch.optim.AdamW([p for p in ps if p.ndim > 1], lr=1e-2),
+        "two groups": lambda ps: torch.optim.AdamW([{"params": [p for p in ps if p.ndim > 1]},
+                                                    {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0}]),
+        "trainable only": lambda ps: torch.optim.SGD([p for p in ps if p.requires_grad], lr=0.1, momentum=0.9),
+    }
+    for name, factory in factories.items():
+        optimizer = empty.attach_optimizer(factory)
+        empty.optimizer_step()
+        state = empty.state_dict()["optimizer"]
+        assert state["state"] == {} and all(group["params"] == [] for group in state["param_groups"]), name
+        assert len(state["param_groups"]) == len(optimizer.param_groups)
+    with pytest.raises(ArgumentError, match="selected none of this rank's parameters.*or params"):
+        empty.attach_optimizer(lambda ps: torch.optim.SGD([p for p in ps if p.ndim == 1], lr=0.1))
+    with pytest.raises(ArgumentError, match="returned NoneType, not a torch.optim.Optimizer"):
+        empty.attach_optimizer(lambda ps: None)
+
+    # a rank holding only 1-D parameters (a norm): the weights-only filter keeps the stand-in instead
+    torch.manual_seed(0)
+    x, y = _unused_batch()
+    normed = octopipe.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)), "cpux2",
+                              example_inputs=(x,), example_target=y, loss_fn=torch.nn.functional.mse_loss,
+                              num_microbatches=2, schedule="1f1b", partition=[0, 1, 3], quiet=True)
+    norm = normed.engine(1)
+    assert {name for name, _ in norm.named_parameters()} == {"1.weight", "1.bias"}
+    optimizer = norm.attach_optimizer(factories["weights only"])
+    assert [[tuple(p.shape) for p in group["params"]] for group in optimizer.param_groups] == [[(0, 0)]]
+    assert norm.state_dict()["optimizer"]["param_groups"][0]["params"] == []
+    optimizer = norm.attach_optimizer(factories["two groups"])  # (an empty group is torch's to take)
+    assert [len(group["params"]) for group in optimizer.param_groups] == [0, 2]
+
+    # loading a state with optimizer state into an engine without an optimizer says it is not loaded
+    holder = pipe.engine(0)
+    saved = {"model": {n: p.detach().clone() for n, p in holder.named_parameters()},
+             "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": []}] * 2}}
+    with pytest.warns(OctopipeWarning, match="holds optimizer state but this engine has no optimizer"):
+        holder.load_state_dict(saved)
+    holder.attach_optimizer(_adamw)
+    with pytest.raises(octopipe.OctopipeError, match="rank 0: load_state_dict: the saved optimizer state has 2 param "
+                                                     "groups, this optimizer 1; build the optimizer"):
+        holder.load_state_dict(saved)
+
+
+def _init_fails_on_rank_zero(rank, world_size):
+    pipe = _unused_pipe()
+    state = {n: t for n, t in _WithUnused().state_dict().items() if n != "a.weight" or rank != 0}
+    try:
+        pipe.engine(rank, init=state, timeout_s=20)
+    except octopipe.OctopipeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_init_fails_leaves_its_peers_an_error_naming_it_not_a_raw_gloo_one():
+    zero, one = launch(_init_fails_on_rank_zero, 2, timeout_s=90)
+    assert zero.startswith("ExecutionError: rank 0: init checkpoint has no value for 1 parameters") and "'a.weight'" in zero
+    assert one.startswith("ExecutionError: rank 1: setting up the engine") and "went away" in one, one
