@@ -627,8 +627,8 @@ def every_partition(
     """Every family on each of its contiguous partitions ("<family>/0,1,4" by boundaries), for the
     families with at most `limit` of them (few layers for their stages: a tiny model), less those
     in `known` (`baselines`' plans, by family and boundaries): there the search starts from all of
-    them, so its plan is never slower than a baseline on any partition (the balanced partition
-    weighs compute only; a slow link wants the cut where the least crosses it)."""
+    them, so its plan is never slower than one of them that fits the limits, unless cut short (the
+    balanced partition weighs compute only; a slow link wants the cut where the least crosses it)."""
     p = num_devices or cluster.num_devices
     layers = len(costs)
     built = {(name.split("/")[0], plan.boundaries) for name, plan in known.items()}

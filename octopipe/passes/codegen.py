@@ -356,8 +356,8 @@ def _hold_unused(stages: list[StageModule], model: nn.Module, persistent: set[st
     """Give the first stage the parameters and persistent buffers of `model` that no stage reads
     (a submodule the forward never calls): held nowhere, they would be missing from every rank's
     state dict, so a checkpoint would lose them and an `init` checkpoint could not fill them. The
-    first stage's rank holds them (the same objects, under their own names); the forward never
-    reads them, so they get no gradient, as in the plain model. Warns, naming them."""
+    first stage's rank holds them (the same objects, named as the model names them); the forward
+    never reads them, so they get no gradient, as in the plain model. Warns, naming them."""
     held = {id(t) for stage in stages for t in [*stage.module.parameters(), *stage.module.buffers()]}
     parameters = [(name, p) for name, p in model.named_parameters() if id(p) not in held]
     buffers = [(name, b) for name, b in model.named_buffers() if id(b) not in held and name in persistent]
@@ -367,13 +367,14 @@ def _hold_unused(stages: list[StageModule], model: nn.Module, persistent: set[st
     holder = nn.Module()
     names = dict(first.parameter_names)
     owners = {id(owner): owner for owner in first.owners}
-    for name, parameter in parameters:
-        holder.register_parameter(name.replace(".", "__"), parameter)
-    for name, buffer in buffers:
-        holder.register_buffer(name.replace(".", "__"), buffer)
+    for index, (name, parameter) in enumerate(parameters):  # (numbered: no two names can meet)
+        holder.register_parameter(f"p{index}", parameter)
+        names[f"{UNUSED}.p{index}"] = name
+    for index, (name, buffer) in enumerate(buffers):
+        holder.register_buffer(f"b{index}", buffer)
+        names[f"{UNUSED}.b{index}"] = name
     unused = [*parameters, *buffers]
-    for name, tensor in unused:
-        names[f"{UNUSED}.{name.replace('.', '__')}"] = name
+    for _, tensor in unused:
         owner = owner_of.get(id(tensor))
         if owner is not None:
             owners.setdefault(id(owner), owner)

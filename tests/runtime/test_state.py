@@ -358,3 +358,19 @@ def test_a_rank_whose_init_fails_leaves_its_peers_an_error_naming_it_not_a_raw_g
     zero, one = launch(_init_fails_on_rank_zero, 2, timeout_s=90)
     assert zero.startswith("ExecutionError: rank 0: init checkpoint has no value for 1 parameters") and "'a.weight'" in zero
     assert one.startswith("ExecutionError: rank 1: setting up the engine") and "went away" in one, one
+
+
+def test_unused_tensors_whose_names_would_meet_once_flattened_are_all_kept():
+    model = _WithUnused()
+    model.add_module("x", torch.nn.Module())
+    model.x.add_module("b__c", torch.nn.Linear(2, 2))  # x.b__c.weight ...
+    model.add_module("x__b", torch.nn.Module())
+    model.x__b.add_module("c", torch.nn.Linear(2, 2))  # ... and x__b.c.weight
+    x, y = _unused_batch()
+    with pytest.warns(UserWarning, match="never reads 7 of the model's tensors"):
+        pipe = octopipe.compile(model, "cpux2", example_inputs=(x,), example_target=y,
+                                loss_fn=torch.nn.functional.mse_loss, num_microbatches=2, schedule="1f1b",
+                                partition=[0, 2, 3], quiet=True)
+    held = dict(pipe.engine(0).named_parameters())
+    assert {"x.b__c.weight", "x__b.c.weight", "x.b__c.bias", "x__b.c.bias"} <= set(held)
+    assert held["x__b.c.weight"] is model.x__b.c.weight and held["x.b__c.weight"] is model.x.b__c.weight
