@@ -236,24 +236,20 @@ class Engine:
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
-        try:  # collectives every rank joins: a rank that failed above (its init, say) leaves them
-            self._tied_groups = self._make_tied_groups()
-            self._data_group, self._pipeline_group = self._make_replica_groups()
-        except RuntimeError as exc:
-            raise self.transport.error("setting up the engine (every rank exchanges its tied parameters)", -1,
-                                       exc) from exc
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
         """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
         self._buckets = self._plan_buckets() if self.replicas.size > 1 else {}
         """With replicas: instruction position -> the gradients to all-reduce once it has run."""
-        try:
+        try:  # collectives every rank joins: a rank that failed above (its init, say) leaves them
+            self._tied_groups = self._make_tied_groups()
+            self._data_group, self._pipeline_group = self._make_replica_groups()
             if init is not None and not is_checkpoint(init):
                 self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
             if self.replicas.size > 1:
                 self._broadcast_from_first_replica()  # as DDP does: the replicas start equal, whatever each drew
         except RuntimeError as exc:
-            raise self.transport.error("setting up the engine (the ranks share their first values)", -1, exc) from exc
+            raise self.transport.error("setting up the engine (collectives every rank joins)", -1, exc) from exc
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
