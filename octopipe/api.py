@@ -272,6 +272,9 @@ def plan(
                      f"take up to {final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave them out)"
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
+    if cluster.step_overhead_ms:
+        notes.append(f"every plan's time includes {cluster.step_overhead_ms:.2f} ms a step of host time outside the ops "
+                     "(the cluster's step_overhead_ms, measured on these processes); the lower bounds leave it out")
     again = [stage.index for stage in best_plan.stages if stage.recompute]
     if again:
         notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "

@@ -245,7 +245,8 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
     timings, durations, link = _measure(list(pipes) + list(probe.pipes), [busy] * len(pipes) + [True] * extra,
                                         inputs, target, steps, warmup, 0.0, timeout_s, rewarm, link=True)
     runs = probe.runs(durations)
-    return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim, link=link) for trim in trims]
+    steps = timings[len(pipes)]  # the probe's own pipeline, the first of its pipes
+    return timings[:-extra], [probe.profile(runs, op_overhead_ms, trim=trim, link=link, steps=steps) for trim in trims]
 
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
@@ -424,10 +425,15 @@ class RuntimeProfile:
     """Op-to-op jitter: every timed compute op of at least SPREAD_MIN_MS, its duration over its
     (layer, kind)'s price (the trimmed mean), pooled over layers and kinds, sorted; for
     `simulator.jittered_iterations`."""
+    plan: Any = None
+    steps: StepTiming | None = None
+    """The probe's plan and its timed steps, every op's time recorded (None: not kept): the host
+    time of a step outside its ops, what `calibrate` sets `step_overhead_ms` to."""
 
     def calibrate(self, cluster: ClusterSpec) -> ClusterSpec:
-        """`cluster` with this profile's link and per-message host time (each unchanged when not
-        measured). The link replaces the latency and both bandwidths, and the host-copy bandwidth
+        """`cluster` with this profile's link, per-message host time and host time of a step outside
+        its ops (`step_overhead_ms`: the median over the probe's steps of measured minus replayed
+        with their ops' measured times, `replayed_ms`) (each unchanged when not measured). The link replaces the latency and both bandwidths, and the host-copy bandwidth
         where `cluster` has one (gloo on CPU): a profile's minutes, not an earlier calibration's,
         price a message (this VM's ping-pong bandwidth moved 1.8-4.9 GB/s between launches, and
         a plan sending 12 MB logits across moved 12% with it). A send instruction's time includes
@@ -438,12 +444,19 @@ class RuntimeProfile:
             cluster = replace(cluster, latency_s=self.latency_s, intra_node_bandwidth=self.bandwidth,
                               inter_node_bandwidth=self.bandwidth,
                               message_copy_bandwidth=self.bandwidth if cluster.message_copy_bandwidth else 0.0)
-        if self.message_overhead_ms is None:
-            return cluster
-        overhead = self.message_overhead_ms
-        if cluster.message_copy_bandwidth and self.message_bytes:
-            overhead = max(0.0, overhead - self.message_bytes / cluster.message_copy_bandwidth * 1e3 / 2)
-        return replace(cluster, message_overhead_ms=overhead)
+        if self.message_overhead_ms is not None:
+            overhead = self.message_overhead_ms
+            if cluster.message_copy_bandwidth and self.message_bytes:
+                overhead = max(0.0, overhead - self.message_bytes / cluster.message_copy_bandwidth * 1e3 / 2)
+            cluster = replace(cluster, message_overhead_ms=overhead)
+        if self.plan is not None and self.steps is not None and self.steps.op_ms:
+            # each probe step against the simulator's replay of it with its ops' measured times:
+            # what is left is host time outside the ops, once a step
+            bare = replace(cluster, step_overhead_ms=0.0)
+            outside = [step - replayed_ms(self.plan, self.costs, bare, ops)
+                       for step, ops in zip(self.steps.step_ms, self.steps.op_ms)]
+            cluster = replace(cluster, step_overhead_ms=min(max(0.0, statistics.median(outside)), 9999.0))
+        return cluster
 
 
 @dataclass(frozen=True)
@@ -481,19 +494,20 @@ class RuntimeProbe:
         """Run `pipes` alone on this batch for `warmup + steps` steps each, alternating: their profile
         (with the link ping-ponged between rounds). `rewarm` (see `measure_many`): each timed step
         right after an untimed one of the same pipe."""
-        _, durations, link = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0,
-                                      timeout_s, rewarm, link=True)
-        return self.profile(self.runs(durations), op_overhead_ms, link=link)
+        timings, durations, link = _measure(self.pipes, [True] * len(self.pipes), inputs, target, steps, warmup, 0.0,
+                                            timeout_s, rewarm, link=True)
+        return self.profile(self.runs(durations), op_overhead_ms, link=link, steps=timings[0])
 
     def profile(self, durations: Sequence[Durations], op_overhead_ms: float = 0.0, *, trim: float = PROFILE_TRIM,
-                link: Sequence[float] | None = None) -> RuntimeProfile:
+                link: Sequence[float] | None = None, steps: StepTiming | None = None) -> RuntimeProfile:
         """The profile from the instructions' durations (ms) each rank recorded running `pipes`
         (one dict per rank and pipe, in any order): per layer and op kind, the mean over
         microbatches and steps minus `op_overhead_ms` (the simulator adds that per op); per
         message, the mean time of its send and receive instructions. `trim`: the share of each
         op's durations dropped at either end before the mean (PROFILE_TRIM; 0: the plain mean,
         which the fidelity benchmark compares). `link`: one-way times (s) of the LINK_SIZES messages measured
-        beside them, for the profile's latency and bandwidth."""
+        beside them, for the profile's latency and bandwidth. `steps`: the timed steps of `pipe` (with
+        its ops' times), for the host time of a step outside its ops (`RuntimeProfile.calibrate`)."""
         if not 0 <= trim < 0.5:
             raise ValueError(f"RuntimeProbe.profile: trim must be in [0, 0.5), got {trim!r}")
         merged: Durations = {}
@@ -536,7 +550,8 @@ class RuntimeProbe:
             count = sum(len(values) for values in messages.values())
             message_ms = sum(sum(values) for values in messages.values()) / count
             message_bytes = sum(size_of.get(pair, 0.0) * len(values) for pair, values in messages.items()) / count
-        return RuntimeProfile(costs, message_ms, message_bytes, latency, bandwidth, spread)
+        return RuntimeProfile(costs, message_ms, message_bytes, latency, bandwidth, spread,
+                              self.pipe.plan if steps is not None else None, steps)
 
 
 def runtime_probe(model: Any, inputs: Sequence[Any], target: Any, loss_fn: Any, num_microbatches: int, *,

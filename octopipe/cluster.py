@@ -43,6 +43,12 @@ class ClusterSpec:
     device (the transfer itself then runs beside compute). Zero on GPUs (the copy engine does
     the work); on CPU, gloo's posting takes a fraction of a millisecond of the rank's own thread,
     which `octopipe.bench.runtime_profile` measures inside real steps (`RuntimeProfile.calibrate`)."""
+    step_overhead_ms: float = 0.0
+    """Host time of a step outside its ops, added once to every iteration: the engine cutting the
+    batch and setting up, the instructions' loop between ops, the loss's last instruction, the
+    barrier that ends the step. Zero on GPUs (the host runs ahead of the kernels); on CPU
+    processes a few ms a step, a fifth of a tiny model's step, which `octopipe.bench` measures
+    inside pipelined steps (`RuntimeProfile.calibrate`). The lower bounds leave it out."""
     message_copy_bandwidth: float = 0.0
     """Bytes/s at which the host's own threads copy a message on each end (0: they do not). On
     GPUs NCCL's kernels move the bytes; with gloo over TCP between CPU processes the sender's and
@@ -77,6 +83,8 @@ class ClusterSpec:
             raise ClusterSpecError(f"{where}: op_overhead_ms must be in [0, 1000), got {self.op_overhead_ms!r}")
         if not is_finite_number(self.message_overhead_ms) or not 0 <= self.message_overhead_ms < 1e3:
             raise ClusterSpecError(f"{where}: message_overhead_ms must be in [0, 1000), got {self.message_overhead_ms!r}")
+        if not is_finite_number(self.step_overhead_ms) or not 0 <= self.step_overhead_ms < 1e4:
+            raise ClusterSpecError(f"{where}: step_overhead_ms must be in [0, 10000), got {self.step_overhead_ms!r}")
         if not is_finite_number(self.message_copy_bandwidth) or not self.message_copy_bandwidth >= 0:
             raise ClusterSpecError(f"{where}: message_copy_bandwidth must be a finite number >= 0 (bytes/s; 0: no host "
                                    f"copy), got {self.message_copy_bandwidth!r}")

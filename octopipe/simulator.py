@@ -14,6 +14,8 @@ time of posting it; the transfer itself overlaps compute), plus bytes / `message
 per such message where the hosts copy messages themselves (gloo between CPU processes: the
 sender's thread writes the bytes at the op's end while they move, the receiver's I/O thread reads
 them, both taking CPU from compute).
+The iteration then ends `step_overhead_ms` later: the host time of a step outside its ops (the
+engine's setup, its loop between ops, the barrier that ends the step), measured on CPU processes.
 
 Tied parameters (`CostTable.tied`) whose layers sit on two or more devices: their gradient is
 summed by an all-reduce among those devices that starts once each has run its last B/W (where
@@ -731,6 +733,7 @@ def _run(
         for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until):
             iteration = max(iteration, reduction.end_ms)
             reductions.append(reduction)
+    iteration += cluster.step_overhead_ms  # host time outside the ops, once a step
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
 

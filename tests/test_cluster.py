@@ -40,6 +40,8 @@ def test_transfer_time_is_latency_plus_bytes_over_bandwidth():
         (dict(num_devices=2, latency_s=-1e-6), "latency_s must be in"),
         (dict(num_devices=2, flops_efficiency=1.5), "flops_efficiency"),
         (dict(num_devices=2, backend="mpi"), "backend must be 'nccl' or 'gloo'"),
+        (dict(num_devices=2, step_overhead_ms=-0.5), r"step_overhead_ms must be in \[0, 10000\)"),
+        (dict(num_devices=2, step_overhead_ms=float("inf")), "step_overhead_ms"),
     ],
 )
 def test_invalid_specs_raise_clear_errors(fields, message):

@@ -76,6 +76,9 @@ def test_profile_taken_in_the_measured_rotation_covers_every_layer_and_keeps_the
     assert profile.calibrate(no_copy).message_copy_bandwidth == 0.0
     unmeasured = dataclasses.replace(profile, latency_s=None, bandwidth=None)
     assert unmeasured.calibrate(cluster).latency_s == cluster.latency_s
+    # the probe's own steps, every op timed: the host time of a step outside its ops
+    assert profile.plan is probe.pipe.plan and len(profile.steps.step_ms) == 2 and len(profile.steps.op_ms) == 2
+    assert 0 <= calibrated.step_overhead_ms < max(profile.steps.step_ms)
     assert [layer.name for layer in costs] == [layer.name for layer in probe.sizes]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in costs)
     # the fused probe (1F1B order) times each layer's full backward too
@@ -288,7 +291,10 @@ def test_a_one_process_profile_has_no_link_or_message_to_measure():
     assert profile.latency_s is None and profile.bandwidth is None and profile.message_overhead_ms is None
     assert all(layer.forward_ms > 0 for layer in profile.costs)
     cluster = ClusterSpec.preset("cpu", num_devices=1)
-    assert profile.calibrate(cluster) == cluster  # nothing measured, nothing replaced
+    # no link or message measured, nothing of theirs replaced; a step's host time outside its ops is
+    calibrated = profile.calibrate(cluster)
+    assert dataclasses.replace(calibrated, step_overhead_ms=0.0) == cluster
+    assert 0 <= calibrated.step_overhead_ms < max(profile.steps.step_ms)
 
 
 def test_a_step_replayed_on_its_measured_ops_moves_with_them():
@@ -315,3 +321,33 @@ def test_a_step_replayed_on_its_measured_ops_moves_with_them():
     early = dict(as_priced)
     early[("B", 0, 1)] -= 1.0
     assert replayed_ms(plan, costs, cluster, early) == pytest.approx(sim.iteration_ms - 1.0)
+
+
+def test_calibrate_takes_the_host_time_of_a_step_outside_its_ops_from_the_probes_steps():
+    from octopipe import PipelinePlan
+    from octopipe.bench import RuntimeProfile, StepTiming
+    from octopipe.ir import CostTable, LayerCost
+    from octopipe.simulator import simulate
+
+    plan = PipelinePlan.parse("plan devices=2 microbatches=2 stages=2\nstage 0 layers=0:1 device=0\n"
+                              "stage 1 layers=1:2 device=1\ndevice 0: 0F0 0F1 0B0 0B1\ndevice 1: 1F0 1B0 1F1 1B1\n")
+    costs = CostTable(tuple(LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, output_bytes=1000) for i in range(2)))
+    cluster = ClusterSpec(num_devices=2, intra_node_bandwidth=1e9, inter_node_bandwidth=1e9, latency_s=1e-4,
+                          op_overhead_ms=0.25, step_overhead_ms=7.0)  # an earlier calibration's, replaced
+    sim = simulate(plan, costs, dataclasses.replace(cluster, step_overhead_ms=0.0))
+    as_priced = {(op.kind.value, op.stage, op.microbatch): end - sim.op_start[op] for op, end in sim.op_end.items()}
+    slow = dict(as_priced)
+    slow[("B", 1, 1)] += 1.0  # ends the step on device 1, then device 0's last B waits for it: 1 ms later
+    # three steps: 2, 3 and 10 ms past what their ops explain (the third one's ops ran 1 ms slower)
+    steps = StepTiming((sim.iteration_ms + 2.0, sim.iteration_ms + 3.0, sim.iteration_ms + 11.0), (0.0,) * 3,
+                       op_ms=(as_priced, as_priced, slow))
+    profile = RuntimeProfile(costs, None, plan=plan, steps=steps)
+    calibrated = profile.calibrate(cluster)
+    assert calibrated.step_overhead_ms == pytest.approx(3.0)  # the median; the ops' own 1 ms is theirs
+    assert dataclasses.replace(calibrated, step_overhead_ms=7.0) == cluster
+    # the simulator adds it once to every step
+    assert simulate(plan, costs, calibrated).iteration_ms == pytest.approx(sim.iteration_ms + 3.0)
+    # steps faster than their ops' replay (noise) give none, not a negative one
+    quick = StepTiming((sim.iteration_ms - 0.5,), (0.0,), op_ms=(as_priced,))
+    assert RuntimeProfile(costs, None, plan=plan, steps=quick).calibrate(cluster).step_overhead_ms == 0.0
+    assert RuntimeProfile(costs, None).calibrate(cluster) == cluster  # nothing measured, nothing replaced
