@@ -1242,7 +1242,9 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
     need not fill its budget, so none is left out), and from the REPAIRS fastest structures
     the search scheduled that are over the limit but faster than its best (each with the
     recomputation moves of its device over budget, the climb from the one nearest to fitting).
-    Only a faster plan is kept and the plan without recomputation stays `plain_best`, so
+    Under the device memory alone (no activation limit) they run only where it binds: the best
+    plan fills 95% of a device's room, or a faster structure is over it. Only a faster plan is
+    kept and the plan without recomputation stays `plain_best`, so
     recomputation still never makes a plan slower. Without it a looser limit could plan slower
     than a tighter one: at the tighter limit nothing fit without recomputation, so the search
     turned it on and found a plan that fits both (3 layers on 3 devices whose 64 MB messages
@@ -1257,6 +1259,8 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
         known = fastest.get(candidate.structure)
         if known is None or candidate.iteration_ms < known.iteration_ms:
             fastest[candidate.structure] = candidate
+    if search.activation_budget is None and not fastest and not search.memory_bound(best):
+        return  # only the device memory limits plans, and it binds nothing found: recomputing only adds time
     shapes = sorted(search.best_of_shape.values(), key=lambda c: (c.iteration_ms, c.origin))[:REPAIRS]
     search.work_limit = search.work + int(DEFAULT_WORK * effort * REPAIR_WORK_SHARE)
     search.try_recompute = True

@@ -218,9 +218,9 @@ def test_a_looser_activation_limit_never_plans_slower_where_it_did(preset, p, m,
         assert looser <= tighter * (1 + 1e-9), f"{high} x the 1F1B limit: {looser:.2f} ms, {low} x: {tighter:.2f} ms"
 
 
-@pytest.mark.parametrize("seed", [8, 9, 10, 20, 22])
+@pytest.mark.parametrize("seed", [9, 20])
 def test_a_looser_activation_limit_never_plans_slower_on_random_tables(seed):
-    # random tables whose plan changes between the limits (seed 9 planned 3.2% slower at the
+    # random tables whose plan changes between the limits (seed 9 planned 5.1% slower at the
     # 1F1B limit than at 0.8 of it, before the fewer-device search tried recomputation)
     rng = random.Random(seed)
     p = rng.randint(2, 5)
