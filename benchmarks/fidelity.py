@@ -109,10 +109,10 @@ def main() -> None:
         control = timings.pop()
         pipes.pop()
         floors.append(abs(control.median_ms / timings[0].median_ms - 1))
-        simulated = [octopipe.simulate(plan, now.costs, now.calibrate(cluster)) for plan in plans.values()]
+        measured_cluster, plain_cluster = now.calibrate(cluster), plain.calibrate(cluster)  # (each replays the probe's steps)
+        simulated = [octopipe.simulate(plan, now.costs, measured_cluster) for plan in plans.values()]
         predictions = [sim.iteration_ms for sim in simulated]
-        plain_errors += [abs(timing.median_ms / octopipe.simulate(plan, plain.costs,
-                                                                   plain.calibrate(cluster)).iteration_ms - 1)
+        plain_errors += [abs(timing.median_ms / octopipe.simulate(plan, plain.costs, plain_cluster).iteration_ms - 1)
                          for plan, timing in zip(plans.values(), timings)]
         reference_predicted, reference_measured = predictions[0], timings[0].median_ms
         for (label, _), pipe, timing, sim in zip(plans.items(), pipes, timings, simulated):

@@ -116,7 +116,8 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
         f"after one warm-up step{rewarm}) ...")
     timings, now = measure_with_profile([pipe for _, pipe in rows], probe, inputs, target, steps=steps, warmup=1,
                                         op_overhead_ms=cluster.op_overhead_ms, rewarm=not quick)
-    predictions = [octopipe.simulate(pipe.plan, now.costs, now.calibrate(cluster)).iteration_ms for _, pipe in rows]
+    measured_cluster = now.calibrate(cluster)  # (once: it replays the probe's steps)
+    predictions = [octopipe.simulate(pipe.plan, now.costs, measured_cluster).iteration_ms for _, pipe in rows]
     say(f"{'plan':<36} {'planned ms':>10} {'predicted ms':>12} {'measured ms':>12} {'error':>7}   losses")
     for (name, pipe), timing, predicted in zip(rows, timings, predictions):
         error = timing.median_ms / predicted - 1

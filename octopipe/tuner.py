@@ -144,6 +144,11 @@ class Structure:
     def selects(self, stage: int) -> bool:
         return bool(self.selective) and self.selective[stage]
 
+    @property
+    def recomputing(self) -> bool:
+        """Whether any stage recomputes its activations, fully or selectively."""
+        return any(self.recompute) or any(self.selective)
+
     def with_recompute(self, flags: Sequence[bool]) -> Structure:
         """This structure with these per-stage recompute flags (all off is stored as none); a
         stage that recomputes does not recompute selectively too."""
@@ -1154,6 +1159,31 @@ def _take_in(search: _Search, evaluations: int, ruled_out: int, work: int, cut_s
         search.keep_if_best_of_shape(candidate)
 
 
+def _beside(search: _Search, work_share: float, label: str) -> _Search:
+    """A search of its own beside `search` (its own memo; `work_share` x DEFAULT_WORK of work, the
+    same limits, deadline and recomputation), its progress lines marked `label`."""
+    beside = _Search(search.costs, search.cluster, search.m, search.p, search.activation_budget, search.memory_limit,
+                     search.memory, int(DEFAULT_WORK * work_share), search.deadline,
+                     (lambda line: search.progress(f"{label}: {line}")) if search.progress else None,
+                     search.started, search.recompute)
+    beside.try_recompute = search.try_recompute
+    return beside
+
+
+def _take_in_beside(search: _Search, beside: _Search) -> None:
+    """Count `beside` into `search` (`_take_in`: its work and runners-up) and take its best plan in
+    where faster. Where that plan recomputes and `search` did not try recomputation, `search`'s
+    best so far stays `plain_best` (CP-SAT refines it too), so allowing recomputation never makes
+    a plan slower."""
+    _take_in(search, beside.evaluations, beside.ruled_out, beside.work, beside.cut_short, beside.best_of_shape.values())
+    best = beside.best
+    if best is None or (search.best is not None and best.iteration_ms >= search.best.iteration_ms - 1e-9):
+        return
+    if best.structure.recomputing and not search.try_recompute and search.plain_best is None:
+        search.plain_best = search.best  # the best without recomputation, refined beside it
+    search.evaluate(best.plan, best.origin, best.structure, best.policy)
+
+
 def _add_deeper_search(search: _Search, structures: Sequence[tuple[Structure, str]], effort: float, seed: int) -> None:
     """Every structure again with more microbatches in flight than its round trips ask for
     (`DEEPER_POLICIES`), a climb from the fastest that fits and order moves on its best, as a
@@ -1162,11 +1192,7 @@ def _add_deeper_search(search: _Search, structures: Sequence[tuple[Structure, st
     never returns a slower plan. Where a device holds stages with long round trips (the early
     stages of a V placement) the round-trip caps leave its activation budget unused while it idles:
     DeepSeek's analytic table on 16 devices x 32 microbatches, 477 -> 452 ms."""
-    deeper = _Search(search.costs, search.cluster, search.m, search.p, search.activation_budget, search.memory_limit,
-                     search.memory, int(DEFAULT_WORK * effort * DEEPER_WORK_SHARE), search.deadline,
-                     (lambda line: search.progress(f"deeper in flight: {line}")) if search.progress else None,
-                     search.started, search.recompute)
-    deeper.try_recompute = search.try_recompute
+    deeper = _beside(search, effort * DEEPER_WORK_SHARE, "deeper in flight")
     start: Candidate | None = None
     for structure, label in structures:
         if deeper.exhausted():
@@ -1178,10 +1204,7 @@ def _add_deeper_search(search: _Search, structures: Sequence[tuple[Structure, st
         _local_search(deeper, start, random.Random(seed))
     if deeper.best is not None and not deeper.exhausted():
         _order_moves(deeper, deeper.best)
-    _take_in(search, deeper.evaluations, deeper.ruled_out, deeper.work, deeper.cut_short, deeper.best_of_shape.values())
-    best = deeper.best
-    if best is not None and (search.best is None or best.iteration_ms < search.best.iteration_ms - 1e-9):
-        search.evaluate(best.plan, best.origin, best.structure, best.policy)
+    _take_in_beside(search, deeper)
 
 
 def _add_fewer_devices_search(search: _Search, effort: float, seed: int, recompute: bool = False) -> None:
@@ -1194,11 +1217,8 @@ def _add_fewer_devices_search(search: _Search, effort: float, seed: int, recompu
     `recompute`: the structures also with every stage recomputing, and the recomputation moves on
     (a device holding more layers holds more activations); run after the search without, where
     stages may recompute, so that allowing it never makes a plan slower."""
-    fewer = _Search(search.costs, search.cluster, search.m, search.p, search.activation_budget, search.memory_limit,
-                    search.memory, int(DEFAULT_WORK * effort * FEWER_WORK_SHARE), search.deadline,
-                    (lambda line: search.progress(f"fewer devices: {line}")) if search.progress else None,
-                    search.started, search.recompute)
-    fewer.try_recompute = search.try_recompute or recompute
+    fewer = _beside(search, effort * FEWER_WORK_SHARE, "fewer devices")
+    fewer.try_recompute |= recompute
     rng = random.Random(seed)
     structures = fewer_device_structures(search.costs, search.p)
     if recompute:
@@ -1219,17 +1239,7 @@ def _add_fewer_devices_search(search: _Search, effort: float, seed: int, recompu
             _local_search(fewer, candidate, rng)
     if fewer.best is not None and not fewer.exhausted():
         _order_moves(fewer, fewer.best)
-    _take_in(search, fewer.evaluations, fewer.ruled_out, fewer.work, fewer.cut_short, fewer.best_of_shape.values())
-    best = fewer.best
-    if best is not None and (search.best is None or best.iteration_ms < search.best.iteration_ms - 1e-9):
-        if recomputes(best.structure) and search.plain_best is None and not search.try_recompute:
-            search.plain_best = search.best  # the best without recomputation, refined beside it
-        search.evaluate(best.plan, best.origin, best.structure, best.policy)
-
-
-def recomputes(structure: Structure) -> bool:
-    """Whether any stage of `structure` recomputes its activations, fully or selectively."""
-    return any(structure.recompute) or any(structure.selective)
+    _take_in_beside(search, fewer)
 
 
 def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random) -> None:
@@ -1279,7 +1289,7 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
             break
         _local_search(search, start, rng)
     search.try_recompute = False  # as it was: the search around it did not try recomputation
-    if search.best is not best and recomputes(search.best.structure) and search.plain_best is None:
+    if search.best is not best and search.best.structure.recomputing and search.plain_best is None:
         search.plain_best = best  # the best without recomputation, refined beside it
 
 
