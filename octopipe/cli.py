@@ -898,6 +898,33 @@ AUTOCAST_CHOICES = ("bf16", "fp16")
 def _train_distributed(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: every rank compiles the same model; rank 0's plan is broadcast
     so all ranks run the same one, then each rank runs its engine."""
+    from octopipe.runtime import init_from_env
+
+    rank, world_size = init_from_env()
+    try:
+        return _train_rank(args, rank, world_size)
+    finally:
+        # failed or not, the rank leaves its group and (run as `python -m octopipe.cli`) ends
+        # without the interpreter's teardown, which aborted ranks whose group was still up
+        # (see _end_torchrun_rank)
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy this torchrun rank's process group if it is still up, and mark the rank done."""
+    import torch.distributed as dist
+
+    global _TORCHRUN_RANK_DONE
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            pass
+    _TORCHRUN_RANK_DONE = True
+
+
+def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
+    """The body of `_train_distributed` on an initialized group."""
     import statistics
     import time
 
@@ -908,9 +935,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
     from octopipe import models
     from octopipe.bench import training_optimizer
     from octopipe.ir.plan import PipelinePlan
-    from octopipe.runtime import init_from_env
 
-    rank, world_size = init_from_env()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -951,7 +976,6 @@ def _train_distributed(args: argparse.Namespace) -> int:
         # failure (and its exit code) as the root cause
         print(f"note: rank {rank}: rank 0 failed before training (its error says why); this rank ran nothing",
               file=sys.stderr)
-        dist.destroy_process_group()
         return EXIT_OK
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
@@ -986,12 +1010,7 @@ def _train_distributed(args: argparse.Namespace) -> int:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
-    # every rank done before any tears its group down; then, run as `python -m octopipe.cli`, the
-    # process ends without the interpreter's teardown (see _end_torchrun_rank)
-    dist.barrier()
-    dist.destroy_process_group()
-    global _TORCHRUN_RANK_DONE
-    _TORCHRUN_RANK_DONE = True
+    dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 
 
@@ -1305,7 +1324,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _TORCHRUN_RANK_DONE = False
-"""Set when a torchrun rank of `train` has finished and destroyed its process group."""
+"""Set when a torchrun rank of `train` has ended (trained, or failed) and left its process group."""
 
 
 def _end_torchrun_rank(code: int) -> None:

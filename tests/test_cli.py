@@ -276,6 +276,34 @@ def test_torchrun_rank_0_failing_before_training_is_the_root_cause_the_others_st
     assert re.search(r"rank\s*: 0 ", root) and re.search(r"exitcode\s*: 4 ", root), root
 
 
+@pytest.mark.timeout(60)
+def test_a_torchrun_rank_that_fails_leaves_its_group_and_ends_as_a_finished_one_does(tmp_path, monkeypatch):
+    # a failed rank used to exit through the interpreter's teardown with its group still up (rank
+    # 0 of the test above died of SIGABRT there once in CI); now it leaves its group and, run as
+    # `python -m octopipe.cli`, ends with os._exit like a rank that trained
+    import torch.distributed as dist
+
+    from octopipe import cli, runtime
+    from octopipe.errors import OctopipeError
+
+    def join():  # a one-rank gloo group, as init_from_env makes under torchrun
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+        return 0, 1
+
+    def fail(args, rank, world_size):
+        assert dist.is_initialized()
+        raise OctopipeError("train: this rank failed")
+
+    monkeypatch.setattr(runtime, "init_from_env", join)
+    monkeypatch.setattr(cli, "_train_rank", fail)
+    monkeypatch.setattr(cli, "_TORCHRUN_RANK_DONE", False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", "--model", "llama", "--quiet"]) == EXIT_ERROR
+    assert not dist.is_initialized()
+    assert cli._TORCHRUN_RANK_DONE
+
+
 def _small_paper_checkpoint(tmp_path, seed):
     """The shrunk paper llama (SMALL_PAPER), saved as a plain state dict, with its batch."""
     import torch
