@@ -28,7 +28,8 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   outputs of its matmuls and attention, and its B's backward first runs the
   other ops of the forward again (same RNG state and autocast: the same values);
 - `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
-  it (a process group per tied rank set, created collectively in the constructor);
+  it (a process group per tied rank set, created collectively in the constructor); a frozen one
+  (`requires_grad=False`) keeps no gradient;
 - `step` waits for outstanding sends and reductions and all-reduces the loss: every rank returns
   the microbatch losses' weighted sum (their mean, without `loss_weight`).
 
@@ -819,6 +820,8 @@ class Engine:
         param = self._params.get(i.param)  # type: ignore[arg-type]
         if param is None:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: this rank holds no parameter {i.param!r}")
+        if not param.requires_grad:
+            return  # frozen (on every rank: compile copies the model's flags): no gradient, as in the plain model
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         if group is None and self.world_size > 1:

@@ -4,6 +4,7 @@ every parameter gradient equal single-process training of the same model on the 
 
 Each launch runs many plans in one process group (launching is the slow part)."""
 
+import copy
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from pipeline_helpers import (
     FAMILIES,
     assert_grads_close,
+    build_model,
     greedy_plan,
     make_case,
     mse_loss,
@@ -92,6 +94,32 @@ def test_tied_weights_are_reduced_across_ranks(two_rank_results, four_rank_resul
         first, last = results[0][("gemma", "1f1b")], results[-1][("gemma", "1f1b")]
         assert first[2] == 1 and last[2] == 1
         torch.testing.assert_close(first[1]["embed.weight"], last[1]["embed.weight"], rtol=0, atol=0)
+
+
+def _frozen_tied_step(rank, world_size, pipe, inputs, target):
+    engine = pipe.engine(rank)
+    loss = engine.step(inputs, target)
+    return loss, {n: None if p.grad is None else p.grad.clone() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_tied_parameter_gets_no_gradient_on_any_rank():
+    # gemma's embedding, frozen, is its head's weight too: 1F1B puts them on both ranks. Its
+    # gradient stays None as in the plain model (it was all-reduced as zeros, and an optimizer's
+    # weight decay then moved it); every other gradient is the plain model's
+    model, inputs, target, loss_fn = build_model("gemma")
+    model.embed.weight.requires_grad_(False)
+    plain = copy.deepcopy(model)
+    loss = loss_fn(plain(*inputs), target)
+    loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    pipe = octopipe.compile(model, "cpux2", example_inputs=inputs, example_target=target, loss_fn=loss_fn,
+                            num_microbatches=4, schedule="1f1b", quiet=True)
+    for rank_loss, rank_grads in launch(_frozen_tied_step, 2, (pipe, inputs, target), timeout_s=90):
+        assert rank_loss == pytest.approx(loss.item(), rel=1e-5)
+        assert "embed.weight" in rank_grads and rank_grads.pop("embed.weight") is None
+        assert rank_grads and all(grad is not None for grad in rank_grads.values())
+        assert_grads_close(rank_grads, grads, "frozen tied embedding")
 
 
 def _train(rank, world_size, model, family, microbatches, steps):
