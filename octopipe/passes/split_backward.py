@@ -4,8 +4,9 @@ Consumes a torch.fx GraphModule (one pipeline stage, as `passes/codegen.py` cuts
 GraphModule sharing the same parameters (same qualified names) whose linear ops run through
 `SplitLinear`, plus the names of the parameters whose gradients move to W.
 
-How: every linear op with a parameter weight (`nn.Linear` call_module, `F.linear` / `aten.linear`,
-and `mm` / `addmm` / `matmul` against `t(weight)`) becomes `split_linear(x, weight, bias)`, a custom
+How: every linear op with a parameter weight (`nn.Linear` call_module, unless calling it is more
+than its op: a parametrization, a weight set by a hook, any hook; `F.linear` / `aten.linear`, and
+`mm` / `addmm` / `matmul` against `t(weight)`) becomes `split_linear(x, weight, bias)`, a custom
 autograd Function. Its backward always returns the input gradient. When a `WeightGradStash` is
 active (`runtime.stage.deferred_weight_grads`, which the engine opens around a B), it stashes
 (input, grad_output) instead of computing the weight and bias gradients; `stash.run()` at W
@@ -35,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from octopipe.runtime.stage import accumulate_grad, active_weight_grad_stash
 
@@ -120,6 +122,17 @@ def _attr(module: nn.Module, target: str) -> Any:
     return value
 
 
+def _plain_linear(module: nn.Linear) -> bool:
+    """Whether calling `module` is just its linear op on its own parameters: no parametrization
+    (`weight` computed from another parameter, as `parametrizations.spectral_norm` does: a split
+    would accumulate into the computed tensor and skip the power iteration), no weight set by a
+    hook (`utils.spectral_norm`, `weight_norm`) and no hook the split call would skip."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+             getattr(module, "_backward_pre_hooks", {}))
+    return (not parametrize.is_parametrized(module) and isinstance(module._parameters.get("weight"), nn.Parameter)
+            and not any(hooks))
+
+
 def _parameter_node(module: nn.Module, node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(_attr(module, str(node.target)), nn.Parameter)
 
@@ -152,7 +165,8 @@ def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[
         replacement: tuple[Any, ...] | None = None
         if node.op == "call_module":
             sub = module.get_submodule(str(node.target))
-            if type(sub).forward is nn.Linear.forward and isinstance(sub, nn.Linear) and not node.kwargs and len(node.args) == 1:
+            if (type(sub).forward is nn.Linear.forward and isinstance(sub, nn.Linear) and not node.kwargs
+                    and len(node.args) == 1 and _plain_linear(sub)):
                 weight = get_attr(node, f"{node.target}.weight")
                 bias = get_attr(node, f"{node.target}.bias") if sub.bias is not None else None
                 replacement = (node.args[0], weight, bias)

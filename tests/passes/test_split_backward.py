@@ -122,6 +122,22 @@ def test_every_linear_pattern_is_split():
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
+def test_a_linear_whose_call_is_more_than_its_op_stays_whole():
+    # found by fuzzing: a parametrized linear (spectral norm) was split on its computed weight,
+    # which is no parameter (its backward failed with two microbatches in flight); a weight set
+    # by a hook and a hook the split call would skip are the same case
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    nn.utils.parametrizations.spectral_norm(model[1])
+    nn.utils.spectral_norm(model[2])
+    model[3].register_forward_hook(lambda module, args, output: 2 * output)
+    module = fx.symbolic_trace(model)
+    split, deferred = split_backward(module)
+    assert set(deferred) == {"0.weight", "0.bias", "4.weight", "4.bias"}
+    targets = [n.target for n in split.graph.nodes if n.op == "call_module"]
+    assert targets == ["1", "2", "3"]
+
+
 def test_compile_safe_variant_runs_eagerly():
     module = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
     split, deferred = split_backward(module, compile_safe=True)
