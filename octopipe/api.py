@@ -1279,7 +1279,7 @@ def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
                       "use LayerNorm/GroupNorm, eval mode, or num_microbatches=1", OctopipeWarning, stacklevel=3)
     if updated:
         warnings.warn(f"compile: forward updates buffer(s) {', '.join(sorted(set(updated)))}: the pipeline runs it once "
-                      f"per microbatch ({num_microbatches} times a step, and again where a stage recomputes), not "
+                      f"per microbatch ({num_microbatches} times a step), not "
                       "once per batch", OctopipeWarning, stacklevel=3)
 
 

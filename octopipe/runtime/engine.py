@@ -20,13 +20,15 @@ Semantics per instruction (the ones `passes/verify.py` proves deadlock-free):
   one included, runs under torch.autocast on the engine's device; backward runs outside it; fp16
   scales the loss stage's backward by the `LossScaler`'s scale and `step` unscales and checks
   every gradient (all ranks agree: an inf or nan anywhere drops every gradient, see amp.py);
-- a `recompute` stage runs F under no_grad, keeping its inputs and the RNG state (CPU, and the
-  engine's CUDA device), and its B first runs the forward again with grad on those inputs and that
-  RNG state (the same dropout masks; the RNG stream outside is left as it was, as
-  `torch.utils.checkpoint` does), then backpropagates as above; its sent outputs are F's values;
+- a `recompute` stage runs F under no_grad, keeping its inputs, the RNG state (CPU, and the
+  engine's CUDA device) and a copy of its buffers, and its B first runs the forward again with
+  grad on those inputs, that RNG state (the same dropout masks; the RNG stream outside is left as
+  it was, as `torch.utils.checkpoint` does) and those buffers (`_BuffersAtForward`; the stage's
+  own are left as they are), then backpropagates as above; its sent outputs are F's values;
 - a `selective` stage runs F under `selective_checkpoint`: autograd keeps its inputs and the
   outputs of its matmuls and attention, and its B's backward first runs the
-  other ops of the forward again (same RNG state and autocast: the same values);
+  other ops of the forward again (same RNG state and autocast, and the buffers as F found them:
+  the same values);
 - `reduce_tied` starts a sum all-reduce of a tied parameter's gradient among the ranks holding
   it (a process group per tied rank set, created collectively in the constructor); a frozen one
   (`requires_grad=False`) keeps no gradient;
@@ -147,7 +149,7 @@ class _Slot:
     """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients; a recompute stage's
     RNG state at F."""
 
-    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state")
+    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state", "buffers")
 
     def __init__(self, num_outputs: int) -> None:
         self.inputs: list[Tensor] | None = None
@@ -156,6 +158,40 @@ class _Slot:
         self.input_grads: list[Tensor | None] | None = None
         self.stash: WeightGradStash | None = None
         self.rng_state: tuple[Tensor, Tensor | None] | None = None
+        self.buffers: _BuffersAtForward | None = None
+
+
+class _BuffersAtForward:
+    """A recomputing stage's buffers as its F found them. The forward that B runs again sees these
+    values and leaves the stage's buffers as they are: a running statistic, a counter or a spectral
+    norm's power iteration that F (or a later stage's forward) updated is not updated twice, and B
+    differentiates the forward that made F's outputs, as in plain training. A copy of every buffer
+    of the stage per microbatch in flight: buffers are small next to its activations."""
+
+    __slots__ = ("entries", "ran")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ran = False
+        """Whether F has run (a selective stage's checkpoint calls the same function at F and B)."""
+        copies: dict[int, Tensor] = {}
+        self.entries: list[tuple[nn.Module, str, Tensor]] = []
+        for name, buffer in module.named_buffers(remove_duplicate=False):
+            owner, _, attr = name.rpartition(".")
+            copy = copies.get(id(buffer))
+            if copy is None:  # one copy of a buffer registered under several names
+                copy = copies[id(buffer)] = buffer.detach().clone()
+            self.entries.append((module.get_submodule(owner), attr, copy))
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        current = [(owner, attr, owner._buffers.get(attr)) for owner, attr, _ in self.entries]
+        for owner, attr, copy in self.entries:
+            owner._buffers[attr] = copy
+        try:
+            yield
+        finally:
+            for owner, attr, tensor in current:
+                owner._buffers[attr] = tensor
 
 
 class Engine:
@@ -700,13 +736,16 @@ class Engine:
                 self._loss_sum += slot.outputs[0].float() * self._weights[m]
             return
         slot.inputs = args
+        buffers = _BuffersAtForward(stage.module) if stage.recompute or stage.selective else None
+        if stage.recompute and buffers is not None and buffers.entries:
+            slot.buffers = buffers
         with self._stage_random(index):
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
                 slot.rng_state = (torch.get_rng_state(),
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
             with torch.set_grad_enabled(not stage.recompute), amp.autocast(self.autocast, self.device):
                 if stage.selective:  # autograd keeps the heavy ops' outputs; B recomputes the rest
-                    slot.outputs = selective_checkpoint(functools.partial(self._run, stage), args)
+                    slot.outputs = selective_checkpoint(functools.partial(self._run_again_at_b, stage, buffers), args)
                 else:
                     slot.outputs = self._run(stage, args)
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
@@ -732,18 +771,30 @@ class Engine:
         outputs = stage(*args)
         return outputs if isinstance(outputs, tuple) else (outputs,)
 
+    def _run_again_at_b(self, stage: StageModule, buffers: _BuffersAtForward,
+                        args: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """A selective stage's forward: as it is at F, and at B (the checkpoint runs it again, after
+        F has kept `buffers`) on the buffers as F found them."""
+        if not buffers.ran:
+            buffers.ran = True
+            return self._run(stage, args)
+        with buffers.restored():
+            return self._run(stage, args)
+
     def _recompute(self, stage: StageModule, slot: _Slot) -> None:
         """The forward again, with grad, on F's inputs and RNG state. F's input leaves are reused:
         nothing was recorded on them under no_grad."""
         assert slot.inputs is not None and slot.rng_state is not None
         cpu_state, cuda_state = slot.rng_state
+        buffers = slot.buffers.restored() if slot.buffers is not None else contextlib.nullcontext()
         with torch.random.fork_rng(devices=[self.device] if cuda_state is not None else [], device_type="cuda"):
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, self.device)
-            with torch.enable_grad(), amp.autocast(self.autocast, self.device):
+            with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers:
                 slot.outputs = self._run(stage, slot.inputs)
         slot.rng_state = None
+        slot.buffers = None
 
     def _backward_input(self, i: Instruction) -> None:
         """B: input gradients; split linears stash their weight gradients for W."""
