@@ -1006,6 +1006,7 @@ def compile(
                             "`octopipe plan --model ...`) or give the plan made for it")
         chosen.validate(num_layers=len(graph.layers))
         _check_selective_hazards(chosen, graph, hazards, where)
+        _check_updated_buffers(chosen, graph, where)
         if chosen.num_devices > cluster.num_devices:
             per = (f" per replica ({full_cluster.num_devices} in all, {data_parallel} replicas)"
                    if data_parallel > 1 else "")
@@ -1218,6 +1219,41 @@ def _check_selective_hazards(chosen: PipelinePlan, graph: Any, reasons: Mapping[
         raise PlanError(f"compile: {where} recomputes selectively where it cannot ({listed}): selective recomputation "
                         "keeps matmul outputs that such an op changes (a failed backward, or wrong gradients); "
                         "recompute those stages fully or not at all (plan.with_recompute)")
+
+
+def _check_updated_buffers(chosen: PipelinePlan, graph: Any, where: str) -> None:
+    """Refuse a plan that puts an in-place update of a buffer and a read of the same buffer on
+    different devices: each device holds its own copy, so that read would miss the update that
+    plain training sees (found by fuzzing: a scale shared by the first and the last layer and
+    updated in the last one trained to other losses, silently). On one device the stages share
+    the buffer. (A module's own buffers, as BatchNorm's, stay inside its one layer.)"""
+    if graph.module is None:
+        return
+    module = graph.module
+    buffers = dict(module.named_buffers())
+    layer_of = graph.layer_of_node()
+    device_of = {j: stage.device for stage in chosen.stages for j in range(stage.layer_start, stage.layer_end)}
+    reads: dict[str, set[int]] = {}
+    updates: dict[str, int] = {}
+    for node in module.graph.nodes:
+        if node.op != "get_attr" or node.target not in buffers:
+            continue
+        for user in node.users:
+            layer = layer_of.get(user.name)
+            if layer is None:
+                continue
+            reads.setdefault(str(node.target), set()).add(layer)
+            if user.op == "call_method" and str(user.target).endswith("_") and user.args and user.args[0] is node:
+                updates.setdefault(str(node.target), layer)
+    for name, layer in sorted(updates.items()):
+        elsewhere = sorted(j for j in reads[name] if device_of.get(j) != device_of.get(layer))
+        if elsewhere:
+            read = elsewhere[0]
+            raise PlanError(f"compile: {where} puts layer {layer} ({graph.layers[layer].name}), which updates buffer "
+                            f"{name!r} in place, on device {device_of.get(layer)} and layer {read} "
+                            f"({graph.layers[read].name}), which reads it, on device {device_of.get(read)}: each "
+                            "device holds its own copy of a buffer, so the read would miss the update; give a plan "
+                            "that keeps these layers on one device, or update the buffer in the layer that reads it")
 
 
 def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro: Sequence[Any],

@@ -434,3 +434,35 @@ def test_what_a_second_user_audit_found_is_fixed(tmp_path):
         pipe.dump_all(tmp_path / "a_file")
     # every submodule the README names is there after `import octopipe`
     assert callable(octopipe.bench.runtime_profile) and callable(octopipe.models.init_module)
+
+
+class _SharedScale(torch.nn.Module):
+    """A scale read by the first layer and updated in place after the last (found by fuzzing:
+    registered in two modules, one tensor, it was split across the ranks silently)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.middle = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        scale = torch.linspace(0.5, 1.5, 8)
+        self.first.register_buffer("scale", scale)
+        self.last.register_buffer("scale", scale)
+
+    def forward(self, x):
+        x = self.first(x) * self.first.scale
+        for layer in self.middle:
+            x = torch.tanh(layer(x))
+        self.last.scale.mul_(1.01)
+        return self.last(x)
+
+
+def test_a_buffer_updated_on_one_device_and_read_on_another_is_refused():
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    options = dict(example_inputs=x, example_target=y, loss_fn=torch.nn.functional.mse_loss, num_microbatches=2,
+                   schedule="1f1b", quiet=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", octopipe.OctopipeWarning)  # (it updates a buffer per microbatch)
+        with pytest.raises(octopipe.PlanError, match=r"updates buffer 'first.scale' in place, on device 1 and layer "
+                                                     r"0 \(first\), which reads it, on device 0"):
+            octopipe.compile(_SharedScale(), "cpux2", **options)
+        octopipe.compile(_SharedScale(), "cpux1", **options)  # one device: its stages share the buffer
