@@ -364,6 +364,7 @@ def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[ty
             graph = tracer.trace(root)
     finally:
         reassigned = _restore_buffers(buffers)
+    _warn_if_mode_dependent(root, leaf_paths, leaf_types, graph, buffers)
     # an op forward ran with gradients off gives values no gradient flows through: the graph
     # detaches them, or the stages would backpropagate through the block (silently wrong
     # gradients for what it reads, and gradients for its own weights where eager gives none)
@@ -380,6 +381,61 @@ def _trace_fx(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[ty
         with graph.inserting_after(target):
             graph.call_method("copy_", (target, value.node))
     return fx.GraphModule(root, graph, class_name=type(root._octopipe_model).__name__)
+
+
+def _warn_if_mode_dependent(root: _TraceRoot, leaf_paths: frozenset[str], leaf_types: tuple[type, ...],
+                            graph: fx.Graph, buffers: list[tuple[str, nn.Module, str, torch.Tensor | None]]) -> None:
+    """Warn where the forward traces to another graph in the other training mode (`if
+    self.training:`, or `training=self.training` given to a function; found by fuzzing): the
+    graph keeps the mode it was traced in, for training and for `evaluate` alike, where only its
+    leaf modules (dropout, norms) follow the engine's mode. Traced once more in the other mode
+    (the modules' own modes and the buffers put back after); a functional dropout of p=0 is no
+    difference (Hugging Face attention's)."""
+    import warnings
+
+    from octopipe.errors import OctopipeWarning
+
+    model: nn.Module = root._octopipe_model  # type: ignore[assignment]  # (the root shares its children, not the model)
+    modules = {id(module): module for module in (*root.modules(), *model.modules())}.values()
+    modes = [(module, module.training) for module in modules]
+    flipped = not model.training
+    try:
+        for module in modules:
+            module.training = flipped
+        with torch.enable_grad():
+            other = _Tracer(leaf_paths, leaf_types).trace(root)
+    except Exception:  # noqa: BLE001 - the other mode does not trace: nothing to compare
+        return
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        _restore_buffers(buffers)
+    if _same_graph(graph, other):
+        return
+    traced_in = "training" if model.training else "eval"
+    warnings.warn(f"trace: {type(model).__name__}'s forward depends on its training mode beyond its "
+                  f"leaf modules (`if self.training:`, or training=self.training given to a function): the pipeline "
+                  f"runs the {traced_in}-mode forward it was traced in, in training and in evaluate alike (only dropout "
+                  "and norm modules follow the engine's mode); compile the model in the mode it will run in",
+                  OctopipeWarning, stacklevel=5)
+
+
+def _same_graph(first: fx.Graph, second: fx.Graph) -> bool:
+    """Whether two traces of one model made the same ops on the same constants."""
+    a, b = list(first.nodes), list(second.nodes)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if (x.op, str(x.target), str(x.args), str(x.kwargs)) == (y.op, str(y.target), str(y.args), str(y.kwargs)):
+            continue
+        if not (x.op == y.op == "call_function" and x.target is y.target and "dropout" in str(x.target)
+                and _dropout_p(x) == _dropout_p(y) == 0):
+            return False
+    return True
+
+
+def _dropout_p(node: fx.Node) -> Any:
+    return node.kwargs.get("p", node.args[1] if len(node.args) > 1 else None)
 
 
 def without_grad(value: Any) -> Any:

@@ -397,3 +397,40 @@ def test_hugging_face_models_fall_back_to_export(kind, names):
     torch.testing.assert_close(graph.module(ids2, target2), lm_loss(model(ids2).logits, target2))
     if kind == "gpt2":  # tied wte / lm_head
         assert [(s.name, s.layers) for s in graph.shared] == [("transformer.wte.weight", (0, 6))]
+
+
+class _ModeBranch(nn.Module):
+    """A forward whose ops depend on the training mode as `kind` says."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.kind == "branch" and self.training:
+            x = x + 1
+        if self.kind in ("functional", "functional p=0"):
+            x = nn.functional.dropout(x, p=0.0 if self.kind == "functional p=0" else 0.3, training=self.training)
+        return self.drop(x)  # a leaf module: follows the engine's mode, no difference
+
+
+@pytest.mark.parametrize(("kind", "warns"), [("branch", True), ("functional", True), ("functional p=0", False),
+                                             ("module", False)])
+def test_a_forward_that_depends_on_the_training_mode_is_named(kind, warns):
+    # found by fuzzing: `if self.training:` was traced in one mode and run in both, silently
+    from octopipe.errors import OctopipeWarning
+
+    model = _ModeBranch(kind)
+    model.layers[1].eval()  # mixed modes are put back as they were
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace(model, (torch.randn(4, 8),))
+    named = [w for w in caught if issubclass(w.category, OctopipeWarning) and "training mode" in str(w.message)]
+    assert bool(named) == warns, [str(w.message) for w in caught]
+    if warns:
+        assert "runs the training-mode forward it was traced in" in str(named[0].message)
+    assert model.training and model.drop.training and not model.layers[1].training
