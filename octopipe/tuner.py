@@ -149,6 +149,11 @@ class Structure:
         """Whether any stage recomputes its activations, fully or selectively."""
         return any(self.recompute) or any(self.selective)
 
+    @property
+    def recomputed(self) -> int:
+        """How much recomputes: 2 per stage recomputing fully, 1 per stage selectively."""
+        return 2 * sum(self.recompute) + sum(self.selective)
+
     def with_recompute(self, flags: Sequence[bool]) -> Structure:
         """This structure with these per-stage recompute flags (all off is stored as none); a
         stage that recomputes does not recompute selectively too."""
@@ -1112,7 +1117,7 @@ def tune(
         _add_deeper_search(search, list(unique.items()), effort, seed)
     if message_share(costs, cluster) >= FEWER_DEVICES_SHARE:
         _add_fewer_devices_search(search, effort, seed)
-        if search.recompute and not search.try_recompute:
+        if search.recompute:  # (a pipeline on fewer devices holds more layers' activations per device)
             _add_fewer_devices_search(search, effort, seed, recompute=True)
     if search.recompute and not search.try_recompute:
         _repair_by_recomputation(search, effort, rng)
@@ -1170,12 +1175,13 @@ def _beside(search: _Search, work_share: float, label: str) -> _Search:
     return beside
 
 
-def _take_in_beside(search: _Search, beside: _Search) -> None:
-    """Count `beside` into `search` (`_take_in`: its work and runners-up) and take its best plan in
-    where faster. Where that plan recomputes and `search` did not try recomputation, `search`'s
-    best so far stays `plain_best` (CP-SAT refines it too), so allowing recomputation never makes
-    a plan slower."""
-    _take_in(search, beside.evaluations, beside.ruled_out, beside.work, beside.cut_short, beside.best_of_shape.values())
+def _take_in_beside(search: _Search, beside: _Search, runners_up: bool = True) -> None:
+    """Count `beside` into `search` (`_take_in`: its work and, with `runners_up`, its runners-up)
+    and take its best plan in where faster. Where that plan recomputes and `search` did not try
+    recomputation, `search`'s best so far stays `plain_best` (CP-SAT refines it too), so allowing
+    recomputation never makes a plan slower."""
+    _take_in(search, beside.evaluations, beside.ruled_out, beside.work, beside.cut_short,
+             beside.best_of_shape.values() if runners_up else ())
     best = beside.best
     if best is None or (search.best is not None and best.iteration_ms >= search.best.iteration_ms - 1e-9):
         return
@@ -1247,18 +1253,18 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
     starts that fit), the search ran as recompute=False runs it. Recomputation can still pay on a
     structure the baselines do not have: a partition whose heavy stage fits only recomputing, or
     one that keeps more microbatches in flight on a device whose activations fill its budget.
-    Climbs with the recomputation moves on (REPAIR_WORK_SHARE of the work budget) start from the
-    fastest plan of each of the REPAIRS fastest shapes (a plan the list scheduler held back to fit
-    need not fill its budget, so none is left out), and from the REPAIRS fastest structures
-    the search scheduled that are over the limit but faster than its best (each with the
-    recomputation moves of its device over budget, the climb from the one nearest to fitting).
-    Under the device memory alone (no activation limit) they run only where it binds: the best
-    plan fills 95% of a device's room, or a faster structure is over it. Only a faster plan is
-    kept and the plan without recomputation stays `plain_best`, so
-    recomputation still never makes a plan slower. Without it a looser limit could plan slower
-    than a tighter one: at the tighter limit nothing fit without recomputation, so the search
-    turned it on and found a plan that fits both (3 layers on 3 devices whose 64 MB messages
-    cross a 1 GB/s link: 339 ms at the 1F1B limit, 114 ms at 0.8 of it)."""
+    A search beside the main one (a copy of its memo, REPAIR_WORK_SHARE of the work budget) climbs
+    with the recomputation moves on from the fastest plan of each of the REPAIRS fastest shapes
+    (a plan the list scheduler held back to fit need not fill its budget, so none is left out),
+    and from the REPAIRS fastest structures the search scheduled that are over the limit but
+    faster than its best (each with the recomputation moves of its device over budget, the climb
+    from the one nearest to fitting). Its best plan is taken in where faster, and nothing else:
+    a plan that recomputes where it need not is no runner-up worth measuring. The plan without
+    recomputation stays `plain_best`, so recomputation still never makes a plan slower. Without
+    it a looser limit could plan slower than a tighter one: at the tighter limit nothing fit
+    without recomputation, so the search turned it on and found a plan that fits both (3 layers
+    on 3 devices whose 64 MB messages cross a 1 GB/s link: 339 ms at the 1F1B limit, 114 ms at
+    0.8 of it)."""
     best = search.best
     if best is None or search.exhausted() and search.cut_short:
         return
@@ -1269,34 +1275,33 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
         known = fastest.get(candidate.structure)
         if known is None or candidate.iteration_ms < known.iteration_ms:
             fastest[candidate.structure] = candidate
-    if search.activation_budget is None and not fastest and not search.memory_bound(best):
-        return  # only the device memory limits plans, and it binds nothing found: recomputing only adds time
     shapes = sorted(search.best_of_shape.values(), key=lambda c: (c.iteration_ms, c.origin))[:REPAIRS]
-    search.work_limit = search.work + int(DEFAULT_WORK * effort * REPAIR_WORK_SHARE)
-    search.try_recompute = True
+    repair = _beside(search, effort * REPAIR_WORK_SHARE, "recomputation")
+    repair.try_recompute = True
+    repair.scheduled = dict(search.scheduled)  # what the search scheduled: its policies, at no new work
+    repair.best = best
     repaired: Candidate | None = None
     for candidate in sorted(fastest.values(), key=lambda c: (c.iteration_ms, c.origin))[:REPAIRS]:
         policies = search.top_policies(candidate.structure, 3)
         for structure, label in _recompute_moves(candidate, search.budget_for(candidate.structure), search.selective):
-            if search.exhausted():
+            if repair.exhausted():
                 break
-            found = search.best_policy(structure, f"{candidate.origin}; {label}", policies)
+            found = repair.best_policy(structure, f"{candidate.origin}; {label}", policies)
             if (found is not None and found.iteration_ms < best.iteration_ms - 1e-9
                     and (repaired is None or found.score < repaired.score)):
                 repaired = found
     for start in ([repaired] if repaired is not None else []) + shapes:
-        if search.exhausted():
+        if repair.exhausted():
             break
-        _local_search(search, start, rng)
-    search.try_recompute = False  # as it was: the search around it did not try recomputation
-    if search.best is not best and search.best.structure.recomputing and search.plain_best is None:
-        search.plain_best = best  # the best without recomputation, refined beside it
+        _local_search(repair, start, rng)
+    _take_in_beside(search, repair, runners_up=False)
 
 
 def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Candidate:
     """Hill-climb on (memory overshoot, iteration time): structure moves re-ordered by the list
     scheduler with the structure's best policies, boundary moves under the current order, policy
-    neighbours. Only strict improvements are kept; moves are tried in a seeded random order."""
+    neighbours. Only strict improvements are kept, and at a local optimum less recomputation at
+    the same time (`Structure.recomputed` falls); moves are tried in a seeded random order."""
     current = start
     while not search.exhausted():
         moves = _structure_moves(current.structure, current.structure.device_loads(search.costs))
@@ -1333,6 +1338,9 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
         if found is None and (search.try_recompute or current.structure.recompute or current.structure.selective):
             # at a local optimum: recomputation off, or on where memory binds
             budget = search.budget_for(current.structure) if search.try_recompute else None
+            # less recomputation at no cost in time is a step too (a stage that recomputes where
+            # memory no longer binds holds back the boundary moves that would use its room)
+            level = None
             for structure, label in _recompute_moves(current, budget, search.selective):
                 if search.exhausted():
                     break
@@ -1342,6 +1350,10 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 if candidate is not None and candidate.score < current.score:
                     found = candidate
                     break
+                if (level is None and candidate is not None and candidate.score <= current.score
+                        and candidate.structure.recomputed < current.structure.recomputed):
+                    level = candidate
+            found = found or level
         if found is None:
             return current
         current = found
