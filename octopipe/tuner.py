@@ -1300,8 +1300,9 @@ def _repair_by_recomputation(search: _Search, effort: float, rng: random.Random)
 def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Candidate:
     """Hill-climb on (memory overshoot, iteration time): structure moves re-ordered by the list
     scheduler with the structure's best policies, boundary moves under the current order, policy
-    neighbours. Only strict improvements are kept, and at a local optimum less recomputation at
-    the same time (`Structure.recomputed` falls); moves are tried in a seeded random order."""
+    neighbours. Only strict improvements are kept; at a local optimum, a climb from a plan that
+    recomputes less at the same time (`Structure.recomputed` falls) is kept where it ends faster.
+    Moves are tried in a seeded random order."""
     current = start
     while not search.exhausted():
         moves = _structure_moves(current.structure, current.structure.device_loads(search.costs))
@@ -1338,9 +1339,7 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
         if found is None and (search.try_recompute or current.structure.recompute or current.structure.selective):
             # at a local optimum: recomputation off, or on where memory binds
             budget = search.budget_for(current.structure) if search.try_recompute else None
-            # less recomputation at no cost in time is a step too (a stage that recomputes where
-            # memory no longer binds holds back the boundary moves that would use its room)
-            level = None
+            level = None  # less recomputation at no cost in time
             for structure, label in _recompute_moves(current, budget, search.selective):
                 if search.exhausted():
                     break
@@ -1353,7 +1352,19 @@ def _local_search(search: _Search, start: Candidate, rng: random.Random) -> Cand
                 if (level is None and candidate is not None and candidate.score <= current.score
                         and candidate.structure.recomputed < current.structure.recomputed):
                     level = candidate
-            found = found or level
+            if found is None and level is not None and not search.exhausted():
+                # a stage that recomputes where memory no longer binds can hold back the boundary
+                # move that would use its room: climb from the plan without it, and keep where
+                # that ends only if it is faster; else this climb ends as it would have, its
+                # random order and work budget as they were (the look's work is counted beside)
+                state, spent = rng.getstate(), search.work
+                end = _local_search(search, level, rng)
+                if end.score < current.score:
+                    found = end
+                else:
+                    rng.setstate(state)
+                    search.work_beside += search.work - spent
+                    search.work = spent
         if found is None:
             return current
         current = found
