@@ -147,7 +147,7 @@ class Replicas:
 
 class _Slot:
     """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients; a recompute stage's
-    RNG state at F."""
+    RNG state and buffers at F."""
 
     __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state", "buffers")
 
