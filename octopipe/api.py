@@ -1221,6 +1221,15 @@ def _check_selective_hazards(chosen: PipelinePlan, graph: Any, reasons: Mapping[
                         "recompute those stages fully or not at all (plan.with_recompute)")
 
 
+def _updated_buffer(node: Any, buffers: Mapping[str, Any]) -> str | None:
+    """The buffer `node` updates in place (a `call_method` such as `add_` on a buffer's
+    `get_attr`), or None."""
+    if node.op != "call_method" or not str(node.target).endswith("_") or not node.args:
+        return None
+    first = node.args[0]
+    return str(first.target) if getattr(first, "op", None) == "get_attr" and first.target in buffers else None
+
+
 def _check_updated_buffers(chosen: PipelinePlan, graph: Any, where: str) -> None:
     """Refuse a plan that puts an in-place update of a buffer and a read of the same buffer on
     different devices: each device holds its own copy, so that read would miss the update that
@@ -1243,7 +1252,7 @@ def _check_updated_buffers(chosen: PipelinePlan, graph: Any, where: str) -> None
             if layer is None:
                 continue
             reads.setdefault(str(node.target), set()).add(layer)
-            if user.op == "call_method" and str(user.target).endswith("_") and user.args and user.args[0] is node:
+            if user.args and user.args[0] is node and _updated_buffer(user, buffers) is not None:
                 updates.setdefault(str(node.target), layer)
     for name, layer in sorted(updates.items()):
         elsewhere = sorted(j for j in reads[name] if device_of.get(j) != device_of.get(layer))
@@ -1304,10 +1313,8 @@ def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
             module = gm.get_submodule(node.target)
             if module.training and any(type(module).__name__.startswith(kind) for kind in _RUNNING_STATS):
                 stats.append(str(node.target))
-        elif node.op == "call_method" and str(node.target).endswith("_") and node.args:
-            first = node.args[0]
-            if getattr(first, "op", None) == "get_attr" and first.target in buffers:
-                updated.append(str(first.target))
+        elif (name := _updated_buffer(node, buffers)) is not None:
+            updated.append(name)
     if stats:
         warnings.warn(f"compile: {', '.join(stats)} normalise with batch statistics in training mode: each pipeline "
                       f"stage sees one microbatch (1/{num_microbatches} of the batch) at a time, so the loss and "

@@ -147,7 +147,7 @@ class Structure:
     @property
     def recomputing(self) -> bool:
         """Whether any stage recomputes its activations, fully or selectively."""
-        return any(self.recompute) or any(self.selective)
+        return self.recomputed > 0
 
     @property
     def recomputed(self) -> int:

@@ -170,17 +170,25 @@ class _BuffersAtForward:
 
     __slots__ = ("entries", "ran")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]]) -> None:
         self.ran = False
         """Whether F has run (a selective stage's checkpoint calls the same function at F and B)."""
         copies: dict[int, Tensor] = {}
         self.entries: list[tuple[nn.Module, str, Tensor]] = []
-        for name, buffer in module.named_buffers(remove_duplicate=False):
-            owner, _, attr = name.rpartition(".")
+        for owner, attr in slots:
+            buffer = owner._buffers.get(attr)
+            if buffer is None:
+                continue
             copy = copies.get(id(buffer))
             if copy is None:  # one copy of a buffer registered under several names
                 copy = copies[id(buffer)] = buffer.detach().clone()
-            self.entries.append((module.get_submodule(owner), attr, copy))
+            self.entries.append((owner, attr, copy))
+
+    @staticmethod
+    def slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(owning module, attribute) of every buffer of `module`, each name of a shared one."""
+        return [(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                for name, _ in module.named_buffers(remove_duplicate=False)]
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -266,6 +274,9 @@ class Engine:
         self.device = _engine_device(device, first, rank)
         materialize(stages, self.device, init, rank)
         self._random = {index: _stage_stream(index, self.device) for index in self.stages}
+        self._buffer_slots = {index: _BuffersAtForward.slots(stage.module) for index, stage in self.stages.items()
+                              if stage.recompute or stage.selective}
+        """Per stage that runs its forward again at B: where its buffers live (found once)."""
         """Per stage: its own random state (CPU, and the GPU's on a GPU), from torch.initial_seed()
         and the stage index, that its forwards draw from (dropout). One process-wide stream,
         seeded alike on every rank, gave every rank's stages the same masks; these do not depend
@@ -736,8 +747,9 @@ class Engine:
                 self._loss_sum += slot.outputs[0].float() * self._weights[m]
             return
         slot.inputs = args
-        buffers = _BuffersAtForward(stage.module) if stage.recompute or stage.selective else None
-        if stage.recompute and buffers is not None and buffers.entries:
+        slots = self._buffer_slots.get(index)
+        buffers = _BuffersAtForward(slots) if slots is not None else None
+        if stage.recompute and slots:
             slot.buffers = buffers
         with self._stage_random(index):
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
