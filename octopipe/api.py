@@ -1298,7 +1298,8 @@ def _warn_planned_elsewhere(path: str | Path, model: str, num_layers: int, micro
 
 
 def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
-    """Warn where the model's forward reads batch statistics or updates buffers: a pipeline runs
+    """Warn where the model's forward reads batch statistics or updates buffers (in its graph, or
+    inside a leaf module: a spectral norm's power iteration, found by fuzzing): a pipeline runs
     it once per microbatch, so it sees 1/num_microbatches of the batch and updates that many
     times per step (as in every pipeline-parallel system, but not as in plain training)."""
     import warnings
@@ -1315,6 +1316,9 @@ def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
                 stats.append(str(node.target))
         elif (name := _updated_buffer(node, buffers)) is not None:
             updated.append(name)
+    for path, names in gm.meta.get("octopipe.leaf_updates", {}).items():
+        if path not in stats:  # (a norm's running statistics: said above)
+            updated.extend(f"{path}.{name}" for name in names)
     if stats:
         warnings.warn(f"compile: {', '.join(stats)} normalise with batch statistics in training mode: each pipeline "
                       f"stage sees one microbatch (1/{num_microbatches} of the batch) at a time, so the loss and "

@@ -300,6 +300,27 @@ def test_buffers_a_forward_updates_are_kept_and_compile_leaves_the_model_as_it_w
     assert norm[1].num_batches_tracked.item() == 0
 
 
+def test_a_buffer_a_leaf_module_updates_in_place_is_said_at_compile_as_the_graphs_own_are():
+    # found by fuzzing: a spectral norm's power iteration (a parametrization, or the old forward
+    # pre-hook) updates its buffers inside the Linear's one call, which the graph does not show
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    new_style = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 8))
+    old_style = torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), new_style, old_style, torch.nn.Linear(8, 8))
+    with pytest.warns(octopipe.OctopipeWarning, match="once per microbatch") as caught:
+        octopipe.compile(model, CLUSTER, example_inputs=(x,), example_target=y, loss_fn=torch.nn.functional.mse_loss,
+                         num_microbatches=2, schedule="1f1b")
+    message = next(str(w.message) for w in caught if "updates buffer" in str(w.message))
+    assert "1.parametrizations.weight.0._u" in message and "1.parametrizations.weight.0._v" in message
+    assert "2.weight_u" in message and "2.weight_v" in message
+    # in eval mode the power iteration does not run: nothing to say
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", octopipe.OctopipeWarning)
+        octopipe.compile(model, CLUSTER, example_inputs=(x,), example_target=y, loss_fn=torch.nn.functional.mse_loss,
+                         num_microbatches=2, schedule="1f1b")
+
+
 class _TwoOutputs(torch.nn.Module):
     def __init__(self, as_dict=False):
         super().__init__()

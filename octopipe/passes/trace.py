@@ -194,7 +194,12 @@ class _LossModule(nn.Module):
         self.fn = fn
 
     def forward(self, output: Any, target: Any) -> torch.Tensor:
-        return self.fn(output, target)
+        result = self.fn(output, target)
+        # fx makes an attribute read (`output.foo`) a node only where it is used, which for the
+        # loss's result is after this call: make it here, so an error in it is the loss's
+        # (found by fuzzing: it was reported in the model's last layer)
+        fx.node.map_aggregate(result, lambda value: value.node if isinstance(value, fx.Proxy) else value)
+        return result
 
 
 class _TraceRoot(nn.Module):
@@ -832,7 +837,7 @@ def _build_graph(
 
     # 5. shapes on the example batch
     try:
-        values = propagate_shapes(gm, args)
+        recorder = _propagate(gm, args)
     except _NodeFailure as failure:
         failed_layer = layer_of.get(failure.node)
         layer_name = "+".join(layer_units[failed_layer]) if failed_layer is not None else "inputs"
@@ -848,6 +853,7 @@ def _build_graph(
             f"trace: shape propagation failed at node {failure.node.name!r} ({failure.node.op} {_target_name(failure.node)}) "
             f"in layer {layer_name!r}: {failure.message}. {hint}"
         ) from None
+    values = recorder.values
     for node in graph.nodes:
         node.meta["octopipe.value"] = values.get(node.name)
     if loss_name is not None:
@@ -857,6 +863,7 @@ def _build_graph(
     gm.meta["octopipe.modules"] = module_paths
     gm.meta["octopipe.loss"] = loss_name
     gm.meta["octopipe.layer_of"] = {node.name: layer for node, layer in layer_of.items()}
+    gm.meta["octopipe.leaf_updates"] = recorder.leaf_updates
 
     return _assemble(model, root, gm, layer_units, layer_of, values, module_paths, method, loss_name)
 
@@ -1036,8 +1043,13 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.values: dict[str, ValueInfo | None] = {}
+        self.leaf_updates: dict[str, list[str]] = {}
+        """Buffers a leaf module's call changed in place (its own code or its hooks: a spectral
+        norm's power iteration), by the module's path: the graph shows only the call."""
 
     def run_node(self, n: fx.Node) -> Any:
+        buffers = list(self.module.get_submodule(str(n.target)).named_buffers()) if n.op == "call_module" else []
+        versions = [buffer._version for _, buffer in buffers]
         try:
             result = super().run_node(n)
         except _NodeFailure:
@@ -1045,6 +1057,9 @@ class _Recorder(fx.Interpreter):
         except Exception as exc:  # noqa: BLE001 - reported with the node that failed
             raise _NodeFailure(n, exc) from exc
         self.values[n.name] = _describe(result)
+        changed = [name for (name, buffer), version in zip(buffers, versions) if buffer._version != version]
+        if changed:
+            self.leaf_updates[str(n.target)] = changed
         return result
 
 
@@ -1060,6 +1075,11 @@ def propagate_shapes(gm: fx.GraphModule, args: Sequence[Any], *, mode: str = "au
     (no autograd) when everything is real; "fake": FakeTensors (no memory, no compute, any size);
     "real" / "meta" force one. A failing node raises `_NodeFailure` naming it.
     """
+    return _propagate(gm, args, mode).values
+
+
+def _propagate(gm: fx.GraphModule, args: Sequence[Any], mode: str = "auto") -> _Recorder:
+    """propagate_shapes, keeping its recorder (the values, and the buffers leaf modules changed)."""
     tensors = list(_tensors_of(gm))
     any_meta = any(t.is_meta for t in tensors) or any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
     all_meta = all(t.is_meta for t in tensors)
@@ -1082,7 +1102,7 @@ def propagate_shapes(gm: fx.GraphModule, args: Sequence[Any], *, mode: str = "au
             recorder.run(*fake_args)
     else:
         raise ValueError(f"propagate_shapes: unknown mode {mode!r}")
-    return recorder.values
+    return recorder
 
 
 # ---------------------------------------------------------------------------- the LayerGraph

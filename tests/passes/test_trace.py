@@ -302,6 +302,14 @@ def test_shape_propagation_failure_names_the_node_and_layer():
         trace(model, (x,), leaf_modules=(Branchy,))
 
 
+def test_an_error_in_loss_fn_is_reported_in_the_loss_not_the_models_last_layer():
+    # found by fuzzing: fx made the loss's attribute read a node only after the loss returned,
+    # outside its module, so the error named the model's last layer and hinted at its branches
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), torch.randn(2, 4)
+    with pytest.raises(TraceError, match=r"in layer 'loss': AttributeError.*check that example_target is the target"):
+        trace(model, (x,), loss_fn=lambda output, target: output.no_such_field, example_target=torch.randn(2, 4))
+
+
 def test_bad_arguments_are_trace_errors():
     model, inputs, target = tiny("llama")
     with pytest.raises(TraceError, match="loss_fn needs example_target"):
