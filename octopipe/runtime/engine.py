@@ -274,13 +274,13 @@ class Engine:
         self.device = _engine_device(device, first, rank)
         materialize(stages, self.device, init, rank)
         self._random = {index: _stage_stream(index, self.device) for index in self.stages}
-        self._buffer_slots = {index: _BuffersAtForward.slots(stage.module) for index, stage in self.stages.items()
-                              if stage.recompute or stage.selective}
-        """Per stage that runs its forward again at B: where its buffers live (found once)."""
         """Per stage: its own random state (CPU, and the GPU's on a GPU), from torch.initial_seed()
         and the stage index, that its forwards draw from (dropout). One process-wide stream,
         seeded alike on every rank, gave every rank's stages the same masks; these do not depend
         on which rank holds a stage either."""
+        self._buffer_slots = {index: _BuffersAtForward.slots(stage.module) for index, stage in self.stages.items()
+                              if stage.recompute or stage.selective}
+        """Per stage that runs its forward again at B: where its buffers live (found once)."""
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
         self._plan_inputs()
