@@ -964,7 +964,14 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
     last = model.NewIntVar(0, horizon, "last")
     for op in start:
         model.Add(last >= end[op])
-    model.Minimize(last * (len(start) + 1) + sum(end.values()))
+    # lexicographic: one tick of the last end outweighs every way the ends' sum can move (a weight
+    # of len(start) + 1 let a schedule trade a later last end for earlier ends elsewhere: 45 ms
+    # where the best order takes 44); without room in 64 bits, the last end alone
+    weight = len(start) * horizon + 1
+    if weight * horizon < 2**61:
+        model.Minimize(last * weight + sum(end.values()))
+    else:
+        model.Minimize(last)
     solver = _solver(work, seed, time_limit_s)
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -372,6 +372,7 @@ def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, un
        st.sampled_from([((0, 1), 2, True), ((0, 1), 3, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False)]),
        st.integers(0, 4), st.booleans())
 @example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False)  # stage 0's W costs nothing
+@example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True)  # the window's last end first
 def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first):
     # the CP-SAT order models' memory must allow exactly the orders the simulator's accounting
     # allows: from a one-microbatch-at-a-time hint the whole-order model and a window freeing
@@ -395,7 +396,8 @@ def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape,
     assert max(sim.peak_activation_bytes) <= budget[0] + 1e-6
     assert result.iteration_ms == pytest.approx(exact)
     assert result.lower_bound_ms is not None and result.lower_bound_ms <= exact + 1e-6
-    # the window model freeing every op: the same
+    # the window model freeing every op: the same (its tie-breaker, the sum of the ends, once
+    # outweighed a tick of its last end: 45 ms where the best order takes 44)
     window = _solve_window(serial, costs, FREE, {op for ops in serial.device_ops for op in ops}, 20, None, budget,
                            MemoryModel(), 0)
     assert window is not None
