@@ -258,6 +258,8 @@ def test_under_an_activation_limit_more_microbatches_in_flight_than_the_round_tr
 
     costs, cluster = _v_table(6), CLUSTER.with_devices(4)
     limit, plans = limit_1f1b(costs, cluster, 8, 4)
+    # (the search from the runner-up shape finds a faster plan still here: the test below)
+    monkeypatch.setattr(octopipe.tuner, "_add_runner_up_search", lambda *args: None)
     result = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
     monkeypatch.setattr(octopipe.tuner, "DEEPER_POLICIES", ())
     without = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
@@ -268,6 +270,30 @@ def test_under_an_activation_limit_more_microbatches_in_flight_than_the_round_tr
     assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
     assert result.best.policy.inflight_slack >= 5
     assert result.work > without.work  # its work is counted
+
+
+def test_a_search_from_the_runner_up_shape_finds_a_basin_the_main_search_left(monkeypatch):
+    # stop 37's fuzz table 4 at 1.25 x its 1F1B activation limit: the iterated local search
+    # perturbs only the best plan and settles in its basin; the same search from the fastest plan
+    # of another shape, beside it on a tenth more work, finds a plan 2.5% faster, taken in
+    # because it is faster (at the 1F1B limit too, by less)
+    import octopipe.tuner
+
+    layers = [(0.723, 1.120, 2), (2.642, 4.393, 1), (2.850, 6.319, 2), (1.465, 2.322, 2), (2.410, 4.034, 3),
+              (1.944, 3.288, 1), (2.612, 5.505, 2), (10.299, 20.276, 1)]
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=f, backward_ms=b, activation_bytes=a * 2**28, output_bytes=2**24)
+                       for i, (f, b, a) in enumerate(layers)])
+    cluster = ClusterSpec.preset("h100x8", num_devices=2)
+    limit = 27.5 * 2**28
+    options = dict(activation_limit=limit, quiet=True, effort=0.05, solver=False, seed=0)
+    result = octopipe.plan(costs, cluster, 2, **options)
+    monkeypatch.setattr(octopipe.tuner, "_add_runner_up_search", lambda *args: None)
+    without = octopipe.plan(costs, cluster, 2, **options)
+    assert result.report.iteration_ms < without.report.iteration_ms * 0.98  # (84.71 vs 86.91 ms here)
+    assert "(runner-up shape)" in result.report.notes[0] and "runner-up" not in without.report.notes[0]
+    sim = simulate(result.plan, costs, cluster)
+    assert sim.iteration_ms == pytest.approx(result.report.iteration_ms)
+    assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", [3, 11])
