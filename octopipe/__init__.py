@@ -19,13 +19,13 @@ from octopipe.errors import (
 )
 from octopipe.ir import CostTable, LayerCost, LayerGraph, Op, PipelinePlan, RankProgram, Stage
 from octopipe.passes.trace import trace
-from octopipe.simulator import SimResult, simulate
+from octopipe.simulator import MemoryModel, SimResult, simulate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
-    "Pipeline", "PlanResult", "SimResult", "compile", "plan", "plan_data_parallel", "simulate", "schedules", "profiles", "trace", "runtime",
+    "MemoryModel", "Pipeline", "PlanResult", "SimResult", "compile", "plan", "plan_data_parallel", "simulate", "schedules", "profiles", "trace", "runtime",
     "OctopipeError", "ArgumentError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
     "InfeasibleError", "VerificationError", "ExecutionError", "OctopipeWarning",
 ]

@@ -82,7 +82,8 @@ class PlanResult:
         (`microbatch_size`: the samples per microbatch the costs are of, where planned from a
         model); any other suffix: the plan's text form alone."""
         save_plan(self.plan, path, costs=self.costs, cluster=self.simulation.cluster,
-                  iteration_ms=self.simulation.iteration_ms, microbatch_size=microbatch_size)
+                  iteration_ms=self.simulation.iteration_ms, microbatch_size=microbatch_size,
+                  memory=self.simulation.memory)
 
 
 def plan(
@@ -107,7 +108,9 @@ def plan(
     a preset name such as "h100x8", or a spec file).
 
     memory_limit_bytes: per device, weights + gradients + optimizer state + activations (default:
-    the cluster's device memory). activation_limit: a per-device cap on activation memory alone,
+    the cluster's device memory); `memory` says how many bytes of the first three each byte of
+    weights brings (`MemoryModel.for_optimizer("adamw")`, "sgd", ...; default mixed-precision
+    Adam, 8) and what W keeps of the activations. activation_limit: a per-device cap on activation memory alone,
     in bytes, or "1f1b" for the busiest device of the 1F1B baselines (OctoPipe then never holds
     more activations than a 1F1B user does). The search's budget is work, not seconds (`effort`
     scales it), so the plan is a function of the input, `effort` and `seed` alone: every rank of a
@@ -142,8 +145,9 @@ def plan(
     p = cluster.num_devices if num_devices is None else num_devices
     _check_inputs(costs, cluster, num_microbatches, p, time_limit_s, effort, memory_limit_bytes, seed)
     if not isinstance(memory, MemoryModel):
-        raise ArgumentError(f"plan: memory must be a MemoryModel (octopipe.simulator.MemoryModel), got "
-                            f"{type(memory).__name__}")
+        raise ArgumentError(f"plan: memory must be a MemoryModel (octopipe.simulator.MemoryModel, or "
+                            f"MemoryModel.for_optimizer(name)), got {type(memory).__name__}")
+    memory.check("plan: memory")
     if progress is not None and not callable(progress):
         raise ArgumentError(f"plan: progress must be a function of one string (or None), got {type(progress).__name__}")
     costed_for = costs.num_microbatches
@@ -590,8 +594,10 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
             f"no plan fits {_size(memory_limit)} per device: even with the layers split evenly over "
             f"{num_devices} devices and one microbatch in flight, the busiest device needs {_size(need_memory)} "
             f"(weights, gradients and optimizer state of its layers plus one microbatch's activations). Raise the "
-            f"memory limit to {_size(raise_to, exact=True)}, {more}, shard the optimizer state, or use a smaller "
-            "microbatch")
+            f"memory limit to {_size(raise_to, exact=True)}, {more}, hold less optimizer state (counted here as "
+            f"{memory.state_bytes_per_param_byte:g} bytes per byte of weights: say which optimizer the job steps, "
+            "MemoryModel.for_optimizer or plan --optimizer, and --optimizer-shards where it shards that state over "
+            "data-parallel replicas), or use a smaller microbatch")
         if memory_with_cap is None:
             # no split meets the activation limit: name the activations the memory-balanced one needs
             with_need = _least_limit(lambda limit: fits(need_memory, limit), sum(activation))
@@ -753,11 +759,14 @@ class Pipeline:
         # the cluster as the plan saw it: one replica's devices, with the replica count
         cluster = self.cluster.replica(self.data_parallel) if self.data_parallel > 1 else self.cluster
         save_plan(self.plan, path, costs=self.costs, cluster=cluster, microbatch_size=self.microbatch_size,
-                  iteration_ms=self.simulation.iteration_ms if self.simulation is not None else None)
+                  iteration_ms=self.simulation.iteration_ms if self.simulation is not None else None,
+                  memory=self.simulation.memory if self.simulation is not None else None)
 
 
 PLANNED_WITH = "planned_with"
-"""The key of a JSON plan file's context: {"cluster", "costs", "iteration_ms"} (each optional)."""
+"""The key of a JSON plan file's context: {"cluster", "costs", "iteration_ms", "microbatch_size",
+"memory"} (each optional; "memory" only where the plan was made with another memory model than
+the default, `MemoryModel.to_dict`)."""
 
 
 @dataclass(frozen=True)
@@ -772,14 +781,18 @@ class SavedPlan:
     """The iteration time the planner predicted for it on those costs and that cluster."""
     microbatch_size: int | None = None
     """Samples per microbatch of the batch the costs were measured on (planned from a model)."""
+    memory: MemoryModel = MemoryModel()
+    """The memory model it was planned with (optimizer state per weight byte): what `octopipe
+    simulate` counts its memory with."""
 
 
 def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None = None,
               cluster: ClusterSpec | None = None, iteration_ms: float | None = None,
-              microbatch_size: int | None = None) -> None:
-    """Write `plan_` to `path`: JSON for .json, with whichever of `costs`, `cluster` and
-    `iteration_ms` are given under PLANNED_WITH (`PipelinePlan.from_json`, `load_plan` and
-    `compile(plan=path)` read the plan and skip them); the text form for any other suffix."""
+              microbatch_size: int | None = None, memory: MemoryModel | None = None) -> None:
+    """Write `plan_` to `path`: JSON for .json, with whichever of `costs`, `cluster`,
+    `iteration_ms` and `memory` (where not the default) are given under PLANNED_WITH
+    (`PipelinePlan.from_json`, `load_plan` and `compile(plan=path)` read the plan and skip them);
+    the text form for any other suffix."""
     path = Path(path)
     if not path.parent.is_dir():
         raise ArgumentError(f"save plan: the folder of {str(path)!r} does not exist; create it or write elsewhere")
@@ -798,6 +811,8 @@ def save_plan(plan_: PipelinePlan, path: str | Path, *, costs: CostTable | None 
         context["iteration_ms"] = iteration_ms
     if microbatch_size is not None:
         context["microbatch_size"] = microbatch_size
+    if memory is not None and memory != MemoryModel():
+        context["memory"] = memory.to_dict()
     if context:
         data[PLANNED_WITH] = context
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -813,9 +828,9 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     context = parse_json(text, str(path), ParseError).get(PLANNED_WITH)
     if context is None:
         return SavedPlan(plan_)
-    if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms", "microbatch_size"}:
+    if not isinstance(context, dict) or set(context) - {"cluster", "costs", "iteration_ms", "microbatch_size", "memory"}:
         raise ParseError(f"{path}: '{PLANNED_WITH}' must be an object with cluster, costs, iteration_ms, "
-                         f"microbatch_size; got {context!r:.200}")
+                         f"microbatch_size, memory; got {context!r:.200}")
     microbatch_size = context.get("microbatch_size")
     if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
                                         or microbatch_size < 1):
@@ -833,7 +848,13 @@ def load_saved_plan(path: str | Path) -> SavedPlan:
     if costs is not None and len(costs) != plan_.num_layers:
         raise ParseError(f"{path}: the plan covers {plan_.num_layers} layers but its {PLANNED_WITH}.costs has "
                          f"{len(costs)}; the file was edited by hand? Save it again with octopipe plan -o")
-    return SavedPlan(plan_, costs, cluster, float(iteration_ms) if iteration_ms is not None else None, microbatch_size)
+    try:
+        memory = (MemoryModel.from_dict(context["memory"], f"{path}: {PLANNED_WITH}.memory") if "memory" in context
+                  else MemoryModel())
+    except ArgumentError as exc:
+        raise ParseError(f"{exc}; the file was edited by hand? Save it again with octopipe plan -o") from None
+    return SavedPlan(plan_, costs, cluster, float(iteration_ms) if iteration_ms is not None else None, microbatch_size,
+                     memory)
 
 
 def load_plan(source: str | Path | PipelinePlan) -> PipelinePlan:
@@ -877,6 +898,7 @@ def compile(
     loss_weight: Callable[[Any], Any] | None = None,
     autocast: Any = None,
     data_parallel: int = 1,
+    memory: MemoryModel = MemoryModel(),
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -920,7 +942,10 @@ def compile(
     one replica's devices (num_devices, if given, counts those), the example batch is one
     replica's (what each rank's `step` takes), and each step sums the replicas' gradients, so they
     train as one pipeline on the D batches together (the simulation, and so the planner, charges
-    those all-reduces, a bucket per stage once its backward is done: `Pipeline.data_parallel_ms`)."""
+    those all-reduces, a bucket per stage once its backward is done: `Pipeline.data_parallel_ms`).
+    memory: what a device holds besides activations (`MemoryModel.for_optimizer(name)`: the
+    optimizer the training steps with; default mixed-precision Adam), for the search's memory
+    limit and the simulation's memory."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -953,6 +978,10 @@ def compile(
     if not _positive_finite(effort):
         raise ArgumentError(f"compile: effort must be a positive number (the search's work budget; 1 by default), "
                             f"got {effort!r}")
+    if not isinstance(memory, MemoryModel):
+        raise ArgumentError(f"compile: memory must be a MemoryModel (MemoryModel.for_optimizer(name)), got "
+                            f"{type(memory).__name__}")
+    memory.check("compile: memory")
 
     def timed(name: str, function: Callable[[], Any]) -> Any:
         clock = time.perf_counter()
@@ -993,7 +1022,7 @@ def compile(
             result = timed("plan", lambda: _search(
                 table, cluster, num_microbatches, num_devices=num_devices, time_limit_s=time_limit_s,
                 memory_limit_bytes=memory_limit_bytes, activation_limit=activation_limit, seed=seed, quiet=quiet,
-                recompute=recompute, effort=effort))
+                recompute=recompute, effort=effort, memory=memory))
             chosen, report, runners_up = result.plan, result.report, result.runners_up
         if chosen.num_microbatches != num_microbatches:
             raise ArgumentError(f"compile: the plan has {chosen.num_microbatches} microbatches but num_microbatches="
@@ -1013,7 +1042,8 @@ def compile(
             raise ArgumentError(f"compile: {where} uses {chosen.num_devices} devices, the cluster {cluster.name} has "
                                 f"{cluster.num_devices}{per}; give a cluster with {chosen.num_devices} devices (CLI: "
                                 "--cluster, --devices) or plan for this one")
-        simulation = timed("simulate", lambda: simulate(chosen, table, cluster, validated=True))  # checked above
+        simulation = timed("simulate", lambda: simulate(chosen, table, cluster, validated=True,  # checked above
+                                                        memory=memory))
         stages = timed("codegen", lambda: codegen(graph, chosen, inputs, example_target,
                                                   num_microbatches=num_microbatches,
                                                   loss_fn=loss_fn, model=model, split_backward=split_backward,

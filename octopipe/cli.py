@@ -560,7 +560,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = dict(time_limit_s=search_s,
                    memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
                    activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
-                   solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
+                   solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute,
+                   memory=_memory_model(args.optimizer, args.optimizer_shards))
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -649,7 +650,8 @@ def _other_layers(where: str, planned: int, source: str, layers: int, fix: str):
 
 
 def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None):
-    """(plan, costs, cluster, the planner's predicted ms or None) for a plan file: the costs and
+    """(plan, costs, cluster, the planner's predicted ms or None, the memory model it was planned
+    with) for a plan file: the costs and
     cluster given on the command line, else those saved in the file (`octopipe plan -o x.json`),
     else the defaults (cluster only; costs are required). `given` keeps the command line's costs
     for the next plan file (a --model's analytic costs per cluster)."""
@@ -714,15 +716,15 @@ def _plan_inputs(args: argparse.Namespace, path: str, given: dict | None = None)
         raise OctopipeError(f"{path} does not carry the costs it was planned on (a text plan, or JSON not written by "
                             "octopipe plan -o FILE.json): give --costs FILE or --model NAME|module:factory")
     same = args.cluster is None and not (args.costs or args.model) and not args.devices
-    return plan_, costs, cluster, saved.iteration_ms if same else None
+    return plan_, costs, cluster, saved.iteration_ms if same else None, saved.memory
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from octopipe.simulator import simulate
 
     _writable(args.trace, "--trace")
-    plan_, costs, cluster, planned_ms = _plan_inputs(args, args.plan)
-    result = simulate(plan_, costs, cluster, blocking_sends=args.blocking_sends)
+    plan_, costs, cluster, planned_ms, memory = _plan_inputs(args, args.plan)
+    result = simulate(plan_, costs, cluster, blocking_sends=args.blocking_sends, memory=memory)
     print(result)
     if planned_ms is not None and not args.blocking_sends:
         agrees = "the same" if abs(result.iteration_ms - planned_ms) <= 1e-6 * max(1.0, planned_ms) else "DIFFERENT"
@@ -743,13 +745,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     _writable(args.output, "-o")
     results, given = {}, {}
     for path in args.plans:
-        plan_, costs, cluster, _ = _plan_inputs(args, path, given)
+        plan_, costs, cluster, _, memory = _plan_inputs(args, path, given)
         label = Path(path).stem if Path(path).stem not in results else path  # A/plan.json, B/plan.json
         for copy in range(2, len(args.plans) + 2):
             if label not in results:
                 break
             label = f"{path} ({copy})"  # the same file twice
-        results[label] = simulate(plan_, costs, cluster)
+        results[label] = simulate(plan_, costs, cluster, memory=memory)
     try:
         if len(results) == 1:
             draw_timeline(next(iter(results.values())), args.output, title=args.title)
@@ -814,7 +816,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule,
                             time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
-                            autocast=args.autocast, data_parallel=args.data_parallel)
+                            autocast=args.autocast, data_parallel=args.data_parallel,
+                            memory=_memory_model(args.optimizer))
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -835,6 +838,18 @@ def cmd_train(args: argparse.Namespace) -> int:
               "overheads (large for small models on CPUs); --profile plans with measured costs, and its prediction "
               "is the one to compare", file=sys.stderr)
     return EXIT_OK
+
+
+OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
+"""`plan --optimizer` values (`octopipe.simulator.OPTIMIZER_STATE`'s keys; importing it here would
+import torch)."""
+
+
+def _memory_model(optimizer: str, shards: int = 1) -> Any:
+    """The planner's memory model for a run stepping `optimizer` (train: the one it steps with)."""
+    from octopipe.simulator import MemoryModel
+
+    return MemoryModel.for_optimizer(optimizer, shards)
 
 
 def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs: Any, target: Any,
@@ -874,7 +889,8 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
         return pipe
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
-                                       autocast=pipe.autocast, data_parallel=pipe.data_parallel)
+                                       autocast=pipe.autocast, data_parallel=pipe.data_parallel,
+                                       memory=_memory_model(args.optimizer))
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -963,7 +979,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      loss_fn=loss_fn, num_microbatches=args.microbatches, plan=args.plan,
                                      costs=costs, schedule=args.schedule,
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
-                                     autocast=args.autocast, data_parallel=args.data_parallel)
+                                     autocast=args.autocast, data_parallel=args.data_parallel,
+                                     memory=_memory_model(args.optimizer))
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1162,7 +1179,8 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
     try:
         octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
-                         effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel)
+                         effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
+                         memory=_memory_model(args.optimizer))
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1229,6 +1247,14 @@ def _parser() -> argparse.ArgumentParser:
                         "over its D copies every step, in the plan's time; --microbatches is then each replica's); "
                         "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
                         "keep the fastest step")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="mixed-adam",
+                   help="what each device holds per byte of weights, for the memory limit: mixed-adam (default; bf16 "
+                        "weights and gradients, fp32 master copy and moments: 8 bytes), adamw or adam (moments in "
+                        "the weights' dtype: 4), sgd-momentum (3), sgd (2; what train --optimizer sgd runs)")
+    p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
+                   help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
+                        "distributed optimizer) where the job that runs the plan shards it (OctoPipe's runtime does "
+                        "not; default 1)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--effort", type=_effort, default=1.0,
                    help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "

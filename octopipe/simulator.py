@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,10 +71,64 @@ _KINDS = (OpKind.F, OpKind.B, OpKind.W)
 _KIND_INDEX = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
 
 
+OPTIMIZER_STATE: dict[str, tuple[float, float]] = {
+    "mixed-adam": (2.0, 6.0),
+    "adamw": (2.0, 2.0),
+    "adam": (2.0, 2.0),
+    "sgd-momentum": (2.0, 1.0),
+    "sgd": (2.0, 0.0),
+}
+"""Per optimizer, bytes per byte of weights (`param_bytes`): (the weights and their gradients,
+the optimizer's own state). mixed-adam: bf16 weights and gradients, an fp32 master copy and two
+fp32 moments (Megatron's default; 8 in all). adamw, adam: torch's, two moments in the weights'
+dtype (4). sgd-momentum: one buffer (3). sgd: none (2; `octopipe train --optimizer sgd`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryModel:
+    """What a device holds besides activations, and how long W keeps them."""
+
     state_bytes_per_param_byte: float = MIXED_PRECISION_ADAM_STATE
+    """Weights + gradients + optimizer state, per byte of weights (`LayerCost.param_bytes`)."""
     weight_memory_fraction: float = ZERO_BUBBLE_WEIGHT_MEMORY
+    """Share of a stage's activation bytes its B leaves for its W."""
+
+    @classmethod
+    def for_optimizer(cls, name: str, shards: int = 1) -> MemoryModel:
+        """The state of optimizer `name` (an OPTIMIZER_STATE key), its own part divided by
+        `shards` where it is sharded over that many data-parallel replicas (ZeRO-1, Megatron's
+        distributed optimizer; OctoPipe's runtime does not shard, this prices a run that does)."""
+        if name not in OPTIMIZER_STATE:
+            raise ArgumentError(f"MemoryModel.for_optimizer: unknown optimizer {name!r:.40}; use one of "
+                                f"{', '.join(OPTIMIZER_STATE)} (or MemoryModel(state_bytes_per_param_byte=...) for "
+                                "another)")
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ArgumentError(f"MemoryModel.for_optimizer: shards must be a positive integer (data-parallel "
+                                f"replicas the optimizer state is split over), got {shards!r:.40}")
+        held, own = OPTIMIZER_STATE[name]
+        return cls(state_bytes_per_param_byte=held + own / shards)
+
+    def check(self, where: str) -> None:
+        """Raise ArgumentError unless both fields are sensible numbers."""
+        state, share = self.state_bytes_per_param_byte, self.weight_memory_fraction
+        if isinstance(state, bool) or not isinstance(state, (int, float)) or not (math.isfinite(state) and state >= 0):
+            raise ArgumentError(f"{where}: state_bytes_per_param_byte must be a non-negative number of bytes per "
+                                f"byte of weights (8 for mixed-precision Adam), got {state!r:.40}")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ArgumentError(f"{where}: weight_memory_fraction must be a share in [0, 1], got {share!r:.40}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"state_bytes_per_param_byte": self.state_bytes_per_param_byte,
+                "weight_memory_fraction": self.weight_memory_fraction}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> MemoryModel:
+        if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction"}:
+            raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte and "
+                                f"weight_memory_fraction, got {data!r:.120}")
+        model = cls(**data)
+        model.check(where)
+        return model
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +273,8 @@ class SimResult:
     _pred: list[int] = field(repr=False)
     """Per op key (kind * S * M + stage * M + microbatch): start, end, the key of the op that
     released it (its device predecessor or the dependency it waited for), -1 for none."""
+    memory: MemoryModel = MemoryModel()
+    """The memory model `static_memory_bytes` and the activations were counted with."""
 
     def _key(self, op: Op) -> int:
         return _slot(self.plan, op)
@@ -740,7 +797,7 @@ def _run(
     return SimResult(
         plan=plan, cluster=cluster, iteration_ms=iteration, transfers=tuple(transfers),
         static_memory_bytes=tuple(static), peak_activation_bytes=tuple(peak), reductions=tuple(reductions),
-        _starts=starts, _ends=done, _pred=pred,  # type: ignore[arg-type]
+        _starts=starts, _ends=done, _pred=pred, memory=memory,  # type: ignore[arg-type]
     )
 
 

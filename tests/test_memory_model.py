@@ -1,0 +1,106 @@
+"""The memory model follows the optimizer: what a device holds per byte of weights for the
+optimizer a job steps (`MemoryModel.for_optimizer`), in the plan, its file, the CLI and train."""
+
+import json
+
+import pytest
+
+import octopipe
+from octopipe import ArgumentError, ClusterSpec, CostTable, InfeasibleError, LayerCost, MemoryModel, ParseError
+from octopipe.api import load_saved_plan
+from octopipe.cli import EXIT_OK, main
+from octopipe.simulator import OPTIMIZER_STATE, simulate
+
+GiB = 2**30
+
+
+def heavy_weights(num_layers=8, param_bytes=2 * GiB):
+    return CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=2**28,
+                                output_bytes=2**24, param_bytes=param_bytes) for i in range(num_layers)])
+
+
+def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizers_own():
+    state = {name: MemoryModel.for_optimizer(name).state_bytes_per_param_byte for name in OPTIMIZER_STATE}
+    assert state == {"mixed-adam": 8.0, "adamw": 4.0, "adam": 4.0, "sgd-momentum": 3.0, "sgd": 2.0}
+    assert MemoryModel.for_optimizer("mixed-adam") == MemoryModel()  # the default is Megatron's
+    assert MemoryModel.for_optimizer("mixed-adam", shards=4).state_bytes_per_param_byte == 2.0 + 6.0 / 4
+    assert MemoryModel.for_optimizer("sgd", shards=8).state_bytes_per_param_byte == 2.0  # nothing to shard
+    with pytest.raises(ArgumentError, match="unknown optimizer 'lamb'.*mixed-adam, adamw"):
+        MemoryModel.for_optimizer("lamb")
+    for shards in (0, 1.5, True):
+        with pytest.raises(ArgumentError, match="shards must be a positive integer"):
+            MemoryModel.for_optimizer("adamw", shards=shards)
+    costs = heavy_weights(4)
+    for bad, field in ((MemoryModel(state_bytes_per_param_byte=-1.0), "state_bytes_per_param_byte"),
+                       (MemoryModel(state_bytes_per_param_byte=float("nan")), "state_bytes_per_param_byte"),
+                       (MemoryModel(weight_memory_fraction=1.5), "weight_memory_fraction")):
+        with pytest.raises(ArgumentError, match=f"plan: memory: {field}"):
+            octopipe.plan(costs, "h100x2", 4, quiet=True, memory=bad)
+
+
+def test_a_limit_only_a_leaner_optimizer_meets_plans_for_it_and_the_error_says_how():
+    costs, cluster = heavy_weights(), ClusterSpec.preset("h100x4")
+    options = dict(quiet=True, effort=0.05, memory_limit_bytes=20 * GiB)
+    # mixed-precision Adam: 4 GiB of weights per device x 8 = 32 GiB, over the 20 GiB limit
+    with pytest.raises(InfeasibleError, match="counted here as 8 bytes per byte of weights.*plan --optimizer"):
+        octopipe.plan(costs, cluster, 8, **options)
+    peaks = {}
+    for name in ("adamw", "sgd"):
+        memory = MemoryModel.for_optimizer(name)
+        result = octopipe.plan(costs, cluster, 8, memory=memory, **options)
+        sim = simulate(result.plan, costs, cluster, memory=memory)
+        assert result.simulation.memory == memory
+        assert max(sim.peak_memory_bytes) == pytest.approx(max(result.simulation.peak_memory_bytes))
+        assert max(sim.peak_memory_bytes) <= 20 * GiB
+        # every device holds two layers' weights: their state is the optimizer's multiple of them
+        assert max(sim.static_memory_bytes) == pytest.approx(memory.state_bytes_per_param_byte * 2 * 2 * GiB)
+        peaks[name] = max(sim.peak_memory_bytes)
+    assert peaks["sgd"] == pytest.approx(peaks["adamw"] - 2 * 2 * 2 * GiB)
+
+
+def test_a_plan_file_keeps_its_memory_model_and_simulate_counts_with_it(tmp_path, capsys):
+    table = tmp_path / "costs.json"
+    table.write_text(json.dumps(heavy_weights().to_dict()))
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", "--costs", str(table), "--cluster", "h100x4", "--microbatches", "8", "--memory-limit", "20",
+                 "--optimizer", "sgd", "--quiet", "--no-solver", "--effort", "0.05", "-o", str(plan_path)]) == EXIT_OK
+    capsys.readouterr()
+    saved = load_saved_plan(plan_path)
+    assert saved.memory == MemoryModel.for_optimizer("sgd")
+    assert main(["simulate", str(plan_path)]) == EXIT_OK
+    out = capsys.readouterr().out
+    peak = max(simulate(saved.plan, saved.costs, saved.cluster, memory=saved.memory).peak_memory_bytes) / GiB
+    assert f"{peak:.3f}" in out and "(the same)" in out
+    # the default model is not written: files planned with it read as before
+    default_path = tmp_path / "default.json"
+    assert main(["plan", "--costs", str(table), "--cluster", "h100x4", "--microbatches", "8", "--quiet",
+                 "--no-solver", "--effort", "0.05", "-o", str(default_path)]) == EXIT_OK
+    assert "memory" not in json.loads(default_path.read_text())["planned_with"]
+    assert load_saved_plan(default_path).memory == MemoryModel()
+    # sharded Adam state over 4 replicas: 2 + 6 / 4 bytes per byte of weights
+    sharded = tmp_path / "sharded.json"
+    assert main(["plan", "--costs", str(table), "--cluster", "h100x4", "--microbatches", "8", "--memory-limit", "20",
+                 "--optimizer-shards", "4", "--quiet", "--no-solver", "--effort", "0.05", "-o", str(sharded)]) == EXIT_OK
+    assert load_saved_plan(sharded).memory.state_bytes_per_param_byte == 3.5
+    edited = json.loads(plan_path.read_text())
+    edited["planned_with"]["memory"]["weight_memory_fraction"] = 2
+    plan_path.write_text(json.dumps(edited))
+    with pytest.raises(ParseError, match="weight_memory_fraction.*edited by hand"):
+        load_saved_plan(plan_path)
+
+
+def test_train_plans_for_the_optimizer_it_steps(monkeypatch, capsys):
+    asked = []
+
+    class Planned(Exception):
+        pass
+
+    def compile_(*args, **options):
+        asked.append(options.get("memory"))
+        raise Planned
+
+    monkeypatch.setattr(octopipe, "compile", compile_)
+    for optimizer, state in (("sgd", 2.0), ("adamw", 4.0)):
+        with pytest.raises(Planned):
+            main(["train", "--model", "llama", "--size", "tiny", "--optimizer", optimizer, "--quiet"])
+        assert asked[-1].state_bytes_per_param_byte == state
