@@ -86,8 +86,11 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
     # as Megatron users run: no device may hold more activations than 1F1B's busiest device
     # a plan predicted under MIN_GAIN faster than the best baseline is within this machine's
     # error: the baseline is kept (the report says so)
+    # what its processes hold besides activations: weights and gradients (the measured steps run
+    # SGD, which keeps no state)
+    memory = octopipe.MemoryModel.for_optimizer("sgd")
     result = octopipe.plan(costs, cluster, NUM_MICROBATCHES, time_limit_s=time_limit_s, activation_limit="1f1b",
-                           quiet=True, min_gain=MIN_GAIN)
+                           quiet=True, min_gain=MIN_GAIN, memory=memory)
     say("")
     say(str(result.report))
     report = result.report
@@ -96,7 +99,7 @@ def run_demo(out_dir: str | Path = "octopipe-demo", steps: int = 8, time_limit_s
 
     def compiled(plan):
         return octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan, quiet=True)
+                                num_microbatches=NUM_MICROBATCHES, costs=costs, plan=plan, quiet=True, memory=memory)
 
     def baseline(name):
         family, partition = name.split("/")
