@@ -899,6 +899,7 @@ def compile(
     autocast: Any = None,
     data_parallel: int = 1,
     memory: MemoryModel = MemoryModel(),
+    optimizer: str | None = None,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -943,9 +944,12 @@ def compile(
     replica's (what each rank's `step` takes), and each step sums the replicas' gradients, so they
     train as one pipeline on the D batches together (the simulation, and so the planner, charges
     those all-reduces, a bucket per stage once its backward is done: `Pipeline.data_parallel_ms`).
-    memory: what a device holds besides activations (`MemoryModel.for_optimizer(name)`: the
-    optimizer the training steps with; default mixed-precision Adam), for the search's memory
-    limit and the simulation's memory."""
+    memory: what a device holds besides activations (default mixed-precision Adam on bf16
+    weights), for the search's memory limit and the simulation's memory. optimizer: the one the
+    job steps (a `simulator.OPTIMIZER_STATE` name, "adamw", "sgd", ...): `memory` then counts its
+    state for the model's own weights, in the dtype they are held in, against what the cost table
+    counts per weight (analytic costs count bf16 whatever the model holds), e.g. 8 bytes per
+    counted byte for fp32 AdamW on analytic costs, 4 on costs profiled on the model."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -982,6 +986,9 @@ def compile(
         raise ArgumentError(f"compile: memory must be a MemoryModel (MemoryModel.for_optimizer(name)), got "
                             f"{type(memory).__name__}")
     memory.check("compile: memory")
+    if optimizer is not None and memory.state_bytes_per_param_byte != MemoryModel().state_bytes_per_param_byte:
+        raise ArgumentError("compile: give optimizer= (its state is then sized from the model's weights) or memory= "
+                            "with your own state_bytes_per_param_byte, not both")
 
     def timed(name: str, function: Callable[[], Any]) -> Any:
         clock = time.perf_counter()
@@ -1009,6 +1016,8 @@ def compile(
                                 f"{len(graph.layers)}; costs must be for this model's layers (dump: pipe.graph)")
         hazards = selective_hazards(graph)
         table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
+        if optimizer is not None:
+            memory = _optimizer_memory(optimizer, model, table, memory)
         report = None
         runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
@@ -1390,6 +1399,21 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
         "compile: could not infer the target's shape for loss_fn (tried class indices shaped like the output "
         "without its last dimension, and a tensor shaped like the output); pass example_target= (one batch of targets)"
     )
+
+
+def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel) -> MemoryModel:
+    """`memory` with the state of `optimizer` for `model`'s own weights: the bytes per weight they
+    are held in, against what `table` counts per weight (its param_bytes, each tied parameter
+    once, over the model's weight count)."""
+    weights = list(model.parameters())  # (a parameter two modules share, once)
+    count = sum(p.numel() for p in weights)
+    counted = sum(table.params) - sum((len(tied.layers) - 1) * tied.bytes for tied in table.tied)
+    if count == 0 or counted <= 0:  # no weights the table counts: nothing to size (the state is 0 bytes)
+        state = MemoryModel.for_optimizer(optimizer)
+    else:
+        held = sum(p.numel() * p.element_size() for p in weights)
+        state = MemoryModel.for_optimizer(optimizer, param_bytes_per_weight=counted / count, weight_bytes=held / count)
+    return MemoryModel(state.state_bytes_per_param_byte, memory.weight_memory_fraction)
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,

@@ -816,8 +816,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule,
                             time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
-                            autocast=args.autocast, data_parallel=args.data_parallel,
-                            memory=_memory_model(args.optimizer))
+                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -846,7 +845,8 @@ import torch)."""
 
 
 def _memory_model(optimizer: str, shards: int = 1) -> Any:
-    """The planner's memory model for a run stepping `optimizer` (train: the one it steps with)."""
+    """`plan --optimizer`'s memory model: its state on weights held in the dtype the costs count
+    (train sizes it from the model's own weights instead: `compile(optimizer=...)`)."""
     from octopipe.simulator import MemoryModel
 
     return MemoryModel.for_optimizer(optimizer, shards)
@@ -890,7 +890,7 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
-                                       memory=_memory_model(args.optimizer))
+                                       memory=pipe.simulation.memory)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -980,7 +980,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      costs=costs, schedule=args.schedule,
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel,
-                                     memory=_memory_model(args.optimizer))
+                                     optimizer=args.optimizer)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -996,7 +996,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         return EXIT_OK
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
-                            autocast=args.autocast, data_parallel=args.data_parallel)
+                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1180,7 +1180,7 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
         octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
-                         memory=_memory_model(args.optimizer))
+                         optimizer=args.optimizer)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1248,9 +1248,11 @@ def _parser() -> argparse.ArgumentParser:
                         "auto: plan every count that divides the devices and --microbatches (the whole batch's), "
                         "keep the fastest step")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="mixed-adam",
-                   help="what each device holds per byte of weights, for the memory limit: mixed-adam (default; bf16 "
-                        "weights and gradients, fp32 master copy and moments: 8 bytes), adamw or adam (moments in "
-                        "the weights' dtype: 4), sgd-momentum (3), sgd (2; what train --optimizer sgd runs)")
+                   help="the optimizer the job steps, for the memory limit: what each device holds per byte of "
+                        "weights the costs count, on weights held in that dtype (bf16 in the published profiles and "
+                        "analytic costs): mixed-adam (default; bf16 weights and gradients, fp32 master copy and "
+                        "moments: 8), adamw or adam (two moments: 4), sgd-momentum (3), sgd (2). train sizes it from "
+                        "the model's own weights (fp32 AdamW on analytic costs: 8)")
     p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
                    help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
                         "distributed optimizer) where the job that runs the plan shards it (OctoPipe's runtime does "

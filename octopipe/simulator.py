@@ -71,17 +71,15 @@ _KINDS = (OpKind.F, OpKind.B, OpKind.W)
 _KIND_INDEX = {OpKind.F: 0, OpKind.B: 1, OpKind.W: 2}
 
 
-OPTIMIZER_STATE: dict[str, tuple[float, float]] = {
-    "mixed-adam": (2.0, 6.0),
-    "adamw": (2.0, 2.0),
-    "adam": (2.0, 2.0),
-    "sgd-momentum": (2.0, 1.0),
-    "sgd": (2.0, 0.0),
-}
-"""Per optimizer, bytes per byte of weights (`param_bytes`): (the weights and their gradients,
-the optimizer's own state). mixed-adam: bf16 weights and gradients, an fp32 master copy and two
-fp32 moments (Megatron's default; 8 in all). adamw, adam: torch's, two moments in the weights'
-dtype (4). sgd-momentum: one buffer (3). sgd: none (2; `octopipe train --optimizer sgd`)."""
+OPTIMIZER_STATE: dict[str, int | None] = {"mixed-adam": None, "adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+"""The optimizers `MemoryModel.for_optimizer` knows, each with the buffers it keeps per weight in
+the weights' dtype (beside the weight and its gradient): adamw and adam two moments,
+sgd-momentum one, sgd none (`octopipe train`'s two are sgd and adamw). mixed-adam (None):
+Megatron's mixed precision, bf16 weights and gradients with an fp32 master copy and two fp32
+moments, 16 bytes per weight whatever the table counts."""
+
+MIXED_ADAM_BYTES = (4.0, 12.0)
+"""mixed-adam's bytes per weight: (the bf16 weight and gradient, the fp32 master copy and moments)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +87,22 @@ class MemoryModel:
     """What a device holds besides activations, and how long W keeps them."""
 
     state_bytes_per_param_byte: float = MIXED_PRECISION_ADAM_STATE
-    """Weights + gradients + optimizer state, per byte of weights (`LayerCost.param_bytes`)."""
+    """Weights + gradients + optimizer state, per byte of weights as the cost table counts them
+    (`LayerCost.param_bytes`)."""
     weight_memory_fraction: float = ZERO_BUBBLE_WEIGHT_MEMORY
     """Share of a stage's activation bytes its B leaves for its W."""
 
     @classmethod
-    def for_optimizer(cls, name: str, shards: int = 1) -> MemoryModel:
-        """The state of optimizer `name` (an OPTIMIZER_STATE key), its own part divided by
-        `shards` where it is sharded over that many data-parallel replicas (ZeRO-1, Megatron's
-        distributed optimizer; OctoPipe's runtime does not shard, this prices a run that does)."""
+    def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
+                      weight_bytes: float | None = None) -> MemoryModel:
+        """The memory of a job stepping optimizer `name` (an OPTIMIZER_STATE key).
+        `param_bytes_per_weight`: what the cost table's `param_bytes` count per weight (2, bf16,
+        in the published profiles and analytic costs; the element size in a table profiled on the
+        model itself). `weight_bytes`: the bytes per weight the job holds its weights in (default:
+        the table's; 4 for fp32 weights; mixed-adam's are bf16). `shards`: the optimizer's own
+        state split over that many data-parallel replicas (ZeRO-1, Megatron's distributed
+        optimizer; OctoPipe's runtime does not shard, this prices a job that does). Mixed-adam
+        on a bf16 table is the default model (8 bytes per byte of weights); adamw there 4, sgd 2."""
         if name not in OPTIMIZER_STATE:
             raise ArgumentError(f"MemoryModel.for_optimizer: unknown optimizer {name!r:.40}; use one of "
                                 f"{', '.join(OPTIMIZER_STATE)} (or MemoryModel(state_bytes_per_param_byte=...) for "
@@ -105,8 +110,18 @@ class MemoryModel:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ArgumentError(f"MemoryModel.for_optimizer: shards must be a positive integer (data-parallel "
                                 f"replicas the optimizer state is split over), got {shards!r:.40}")
-        held, own = OPTIMIZER_STATE[name]
-        return cls(state_bytes_per_param_byte=held + own / shards)
+        for what, value in (("param_bytes_per_weight", param_bytes_per_weight), ("weight_bytes", weight_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not (math.isfinite(value) and value > 0)):
+                raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be a positive number of bytes, got "
+                                    f"{value!r:.40}")
+        moments = OPTIMIZER_STATE[name]
+        if moments is None:
+            held, own = MIXED_ADAM_BYTES
+        else:
+            size = param_bytes_per_weight if weight_bytes is None else weight_bytes
+            held, own = 2 * size, moments * size
+        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight)
 
     def check(self, where: str) -> None:
         """Raise ArgumentError unless both fields are sensible numbers."""

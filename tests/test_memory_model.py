@@ -22,6 +22,11 @@ def heavy_weights(num_layers=8, param_bytes=2 * GiB):
 def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizers_own():
     state = {name: MemoryModel.for_optimizer(name).state_bytes_per_param_byte for name in OPTIMIZER_STATE}
     assert state == {"mixed-adam": 8.0, "adamw": 4.0, "adam": 4.0, "sgd-momentum": 3.0, "sgd": 2.0}
+    # fp32 weights on a table that counts bf16: AdamW's 16 bytes per weight over the 2 counted
+    assert MemoryModel.for_optimizer("adamw", weight_bytes=4.0).state_bytes_per_param_byte == 8.0
+    assert MemoryModel.for_optimizer("sgd", param_bytes_per_weight=4.0).state_bytes_per_param_byte == 2.0
+    # mixed-adam holds bf16 weights by definition: 16 bytes per weight, whatever else is given
+    assert MemoryModel.for_optimizer("mixed-adam", weight_bytes=4.0).state_bytes_per_param_byte == 8.0
     assert MemoryModel.for_optimizer("mixed-adam") == MemoryModel()  # the default is Megatron's
     assert MemoryModel.for_optimizer("mixed-adam", shards=4).state_bytes_per_param_byte == 2.0 + 6.0 / 4
     assert MemoryModel.for_optimizer("sgd", shards=8).state_bytes_per_param_byte == 2.0  # nothing to shard
@@ -30,6 +35,8 @@ def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizer
     for shards in (0, 1.5, True):
         with pytest.raises(ArgumentError, match="shards must be a positive integer"):
             MemoryModel.for_optimizer("adamw", shards=shards)
+    with pytest.raises(ArgumentError, match="weight_bytes must be a positive number"):
+        MemoryModel.for_optimizer("adamw", weight_bytes=0)
     costs = heavy_weights(4)
     for bad, field in ((MemoryModel(state_bytes_per_param_byte=-1.0), "state_bytes_per_param_byte"),
                        (MemoryModel(state_bytes_per_param_byte=float("nan")), "state_bytes_per_param_byte"),
@@ -89,6 +96,31 @@ def test_a_plan_file_keeps_its_memory_model_and_simulate_counts_with_it(tmp_path
         load_saved_plan(plan_path)
 
 
+def test_compile_sizes_the_optimizers_state_from_the_models_own_weights():
+    from octopipe import models
+
+    model = models.build("gemma", "tiny")  # fp32 weights, the embedding tied to the head
+    x = models.example_inputs("gemma", "tiny", batch_size=4)
+    y = models.example_target("gemma", "tiny", batch_size=4)
+
+    def state(optimizer, costs):
+        pipe = octopipe.compile(model, "cpux2", example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                                num_microbatches=2, costs=costs, schedule="1f1b", quiet=True, optimizer=optimizer)
+        assert pipe.simulation.memory == simulate(pipe.plan, pipe.costs, pipe.cluster, memory=pipe.simulation.memory).memory
+        return pipe.simulation.memory.state_bytes_per_param_byte
+
+    # analytic costs count every weight at 2 bytes (bf16); the model holds 4: fp32 AdamW keeps
+    # 16 bytes per weight (weight, gradient, two moments), 8 per byte the table counts
+    assert state("adamw", "analytic") == pytest.approx(8.0)
+    assert state("sgd", "analytic") == pytest.approx(4.0)
+    # costs profiled on the model count its own 4 bytes per weight
+    assert state("adamw", "profile") == pytest.approx(4.0)
+    with pytest.raises(ArgumentError, match="optimizer= .* or memory= .* not both"):
+        octopipe.compile(model, "cpux2", example_inputs=x, example_target=y, loss_fn=models.lm_loss,
+                         num_microbatches=2, schedule="1f1b", quiet=True, optimizer="sgd",
+                         memory=MemoryModel(state_bytes_per_param_byte=3.0))
+
+
 def test_train_plans_for_the_optimizer_it_steps(monkeypatch, capsys):
     asked = []
 
@@ -96,11 +128,11 @@ def test_train_plans_for_the_optimizer_it_steps(monkeypatch, capsys):
         pass
 
     def compile_(*args, **options):
-        asked.append(options.get("memory"))
+        asked.append(options.get("optimizer"))
         raise Planned
 
     monkeypatch.setattr(octopipe, "compile", compile_)
-    for optimizer, state in (("sgd", 2.0), ("adamw", 4.0)):
+    for optimizer in ("sgd", "adamw"):
         with pytest.raises(Planned):
             main(["train", "--model", "llama", "--size", "tiny", "--optimizer", optimizer, "--quiet"])
-        assert asked[-1].state_bytes_per_param_byte == state
+        assert asked[-1] == optimizer
