@@ -1401,18 +1401,20 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
     )
 
 
-def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel) -> MemoryModel:
-    """`memory` with the state of `optimizer` for `model`'s own weights: the bytes per weight they
-    are held in, against what `table` counts per weight (its param_bytes, each tied parameter
-    once, over the model's weight count)."""
+def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel, shards: int = 1
+                      ) -> MemoryModel:
+    """`memory` with the state of `optimizer` (its own part over `shards` replicas) for `model`'s
+    own weights: the bytes per weight they are held in, against what `table` counts per weight
+    (its param_bytes, each tied parameter once, over the model's weight count)."""
     weights = list(model.parameters())  # (a parameter two modules share, once)
     count = sum(p.numel() for p in weights)
     counted = sum(table.params) - sum((len(tied.layers) - 1) * tied.bytes for tied in table.tied)
     if count == 0 or counted <= 0:  # no weights the table counts: nothing to size (the state is 0 bytes)
-        state = MemoryModel.for_optimizer(optimizer)
+        state = MemoryModel.for_optimizer(optimizer, shards)
     else:
         held = sum(p.numel() * p.element_size() for p in weights)
-        state = MemoryModel.for_optimizer(optimizer, param_bytes_per_weight=counted / count, weight_bytes=held / count)
+        state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
+                                          weight_bytes=held / count)
     return MemoryModel(state.state_bytes_per_param_byte, memory.weight_memory_fraction)
 
 

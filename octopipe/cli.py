@@ -543,7 +543,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if replicas != "auto" and replicas > 1:  # plan one replica; its devices' gradient all-reduces are priced
         cluster = cluster.replica(replicas)
     started = time.perf_counter()
-    costs, _ = _costs_from(args, cluster)
+    costs, graph = _costs_from(args, cluster)
     # --time-limit bounds the whole command: the search gets what tracing and costing a --model
     # left of it, and at least a tenth of it (then it is cut short, and its report says so)
     spent = time.perf_counter() - started
@@ -561,7 +561,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
                    activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
                    solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute,
-                   memory=_memory_model(args.optimizer, args.optimizer_shards))
+                   memory=_memory_model(args.optimizer, args.optimizer_shards, graph, costs))
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -844,11 +844,15 @@ OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
 import torch)."""
 
 
-def _memory_model(optimizer: str, shards: int = 1) -> Any:
-    """`plan --optimizer`'s memory model: its state on weights held in the dtype the costs count
-    (train sizes it from the model's own weights instead: `compile(optimizer=...)`)."""
+def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any) -> Any:
+    """`plan --optimizer`'s memory model: for a --model (`graph`), sized from its own weights as
+    `compile(optimizer=...)` and train size it; for a cost table, on weights held in the dtype it
+    counts."""
+    from octopipe.api import _optimizer_memory
     from octopipe.simulator import MemoryModel
 
+    if graph is not None and graph.module is not None:
+        return _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards)
     return MemoryModel.for_optimizer(optimizer, shards)
 
 

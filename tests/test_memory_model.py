@@ -136,3 +136,12 @@ def test_train_plans_for_the_optimizer_it_steps(monkeypatch, capsys):
         with pytest.raises(Planned):
             main(["train", "--model", "llama", "--size", "tiny", "--optimizer", optimizer, "--quiet"])
         assert asked[-1] == optimizer
+
+
+def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path, capsys):
+    # a built-in model holds fp32 weights; its analytic costs count bf16: SGD's weight and
+    # gradient, 8 bytes per weight, are 4 per counted byte (on a bf16 cost table, sgd is 2)
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux2", "--microbatches", "4",
+                 "--optimizer", "sgd", "--quiet", "--time-limit", "5", "--no-solver", "-o", str(path)]) == EXIT_OK
+    assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(4.0)
