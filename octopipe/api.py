@@ -110,9 +110,9 @@ def plan(
     memory_limit_bytes: per device, weights + gradients + optimizer state + activations (default:
     the cluster's device memory); `memory` says how many bytes of the first three each byte of
     weights brings (`MemoryModel.for_optimizer("adamw")`, "sgd", ...; default mixed-precision
-    Adam, 8) and what W keeps of the activations. activation_limit: a per-device cap on activation memory alone,
-    in bytes, or "1f1b" for the busiest device of the 1F1B baselines (OctoPipe then never holds
-    more activations than a 1F1B user does). The search's budget is work, not seconds (`effort`
+    Adam, 8) and what W keeps of the activations. activation_limit: a per-device cap on
+    activation memory alone, in bytes, or "1f1b" for the busiest device of the 1F1B baselines
+    (OctoPipe then never holds more activations than a 1F1B user does). The search's budget is work, not seconds (`effort`
     scales it), so the plan is a function of the input, `effort` and `seed` alone: every rank of a
     job gets the same one. time_limit_s is a safety net on top: when it runs out first, the best
     valid plan found is returned and the report says the search was cut short (the plan may
