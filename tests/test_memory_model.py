@@ -29,6 +29,9 @@ def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizer
     # mixed-adam holds bf16 weights by definition: 16 bytes per weight, whatever else is given
     assert MemoryModel.for_optimizer("mixed-adam", weight_bytes=4.0).state_bytes_per_param_byte == 8.0
     assert MemoryModel.for_optimizer("mixed-adam") == MemoryModel()  # the default is Megatron's
+    from octopipe.cli import OPTIMIZERS  # (the CLI spells them out, so --help imports no torch)
+
+    assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
     assert MemoryModel.for_optimizer("mixed-adam", shards=4).state_bytes_per_param_byte == 2.0 + 6.0 / 4
     assert MemoryModel.for_optimizer("sgd", shards=8).state_bytes_per_param_byte == 2.0  # nothing to shard
     with pytest.raises(ArgumentError, match="unknown optimizer 'lamb'.*mixed-adam, adamw"):
