@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,10 +55,13 @@ from typing import Any
 
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, PlanError
-from octopipe.ir.costs import CostTable
+from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.plan import Op, OpKind, PipelinePlan, render_grid
 
-MIXED_PRECISION_ADAM_STATE = 8.0
+MIXED_ADAM_BYTES = (4.0, 12.0)
+"""mixed-adam's bytes per weight: (the bf16 weight and gradient, the fp32 master copy and moments)."""
+
+MIXED_PRECISION_ADAM_STATE = sum(MIXED_ADAM_BYTES) / 2
 """Bytes of weights + gradients + optimizer state per byte of bf16 weights: 2 (weight) + 2 (grad)
 + 4 (fp32 master) + 4 + 4 (Adam moments) = 16 bytes per parameter = 8x its 2 bf16 bytes."""
 
@@ -77,10 +79,6 @@ the weights' dtype (beside the weight and its gradient): adamw and adam two mome
 sgd-momentum one, sgd none (`octopipe train`'s two are sgd and adamw). mixed-adam (None):
 Megatron's mixed precision, bf16 weights and gradients with an fp32 master copy and two fp32
 moments, 16 bytes per weight whatever the table counts."""
-
-MIXED_ADAM_BYTES = (4.0, 12.0)
-"""mixed-adam's bytes per weight: (the bf16 weight and gradient, the fp32 master copy and moments)."""
-
 
 @dataclass(frozen=True, slots=True)
 class MemoryModel:
@@ -111,8 +109,7 @@ class MemoryModel:
             raise ArgumentError(f"MemoryModel.for_optimizer: shards must be a positive integer (data-parallel "
                                 f"replicas the optimizer state is split over), got {shards!r:.40}")
         for what, value in (("param_bytes_per_weight", param_bytes_per_weight), ("weight_bytes", weight_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not (math.isfinite(value) and value > 0)):
+            if value is not None and not (is_finite_number(value) and value > 0):  # type: ignore[operator]
                 raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be a positive number of bytes, got "
                                     f"{value!r:.40}")
         moments = OPTIMIZER_STATE[name]
@@ -126,10 +123,10 @@ class MemoryModel:
     def check(self, where: str) -> None:
         """Raise ArgumentError unless both fields are sensible numbers."""
         state, share = self.state_bytes_per_param_byte, self.weight_memory_fraction
-        if isinstance(state, bool) or not isinstance(state, (int, float)) or not (math.isfinite(state) and state >= 0):
+        if not (is_finite_number(state) and state >= 0):
             raise ArgumentError(f"{where}: state_bytes_per_param_byte must be a non-negative number of bytes per "
                                 f"byte of weights (8 for mixed-precision Adam), got {state!r:.40}")
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        if not (is_finite_number(share) and 0.0 <= share <= 1.0):
             raise ArgumentError(f"{where}: weight_memory_fraction must be a share in [0, 1], got {share!r:.40}")
 
     def to_dict(self) -> dict[str, float]:

@@ -41,6 +41,8 @@ def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizer
             MemoryModel.for_optimizer("adamw", shards=shards)
     with pytest.raises(ArgumentError, match="weight_bytes must be a positive number"):
         MemoryModel.for_optimizer("adamw", weight_bytes=0)
+    with pytest.raises(ArgumentError, match="weight_bytes must be a positive number"):
+        MemoryModel.for_optimizer("adamw", weight_bytes=10**400)  # (no float holds it)
     costs = heavy_weights(4)
     for bad, field in ((MemoryModel(state_bytes_per_param_byte=-1.0), "state_bytes_per_param_byte"),
                        (MemoryModel(state_bytes_per_param_byte=float("nan")), "state_bytes_per_param_byte"),
