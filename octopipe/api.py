@@ -675,6 +675,8 @@ class Pipeline:
     batch_specs: tuple | None = None
     """(shape, dtype) of each tensor of the example batch, the model's inputs then the target: what
     every step takes (each engine checks it)."""
+    shard_optimizer: bool = False
+    """compile's `shard_optimizer`: every engine splits its optimizer's state over the replicas."""
 
     @property
     def microbatch_size(self) -> int | None:
@@ -693,9 +695,9 @@ class Pipeline:
 
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
-        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast:
-        see there; loss_weight and autocast default to compile's, and an autocast other than
-        compile's is refused: the stages' cross-stage dtypes come from it)."""
+        `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast,
+        shard_optimizer: see there; loss_weight, autocast and shard_optimizer default to compile's,
+        and an autocast other than compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.amp import autocast_dtype
         from octopipe.runtime.engine import Engine
@@ -718,6 +720,7 @@ class Pipeline:
                                 f"autocast={self.autocast}: the tensors between stages have that run's dtypes; "
                                 "compile again with the autocast to run")
         options.setdefault("batch_specs", self.batch_specs)
+        options.setdefault("shard_optimizer", self.shard_optimizer)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -900,6 +903,7 @@ def compile(
     data_parallel: int = 1,
     memory: MemoryModel = MemoryModel(),
     optimizer: str | None = None,
+    shard_optimizer: bool = False,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -949,7 +953,10 @@ def compile(
     job steps (a `simulator.OPTIMIZER_STATE` name, "adamw", "sgd", ...): `memory` then counts its
     state for the model's own weights, in the dtype they are held in, against what the cost table
     counts per weight (analytic costs count bf16 whatever the model holds), e.g. 8 bytes per
-    counted byte for fp32 AdamW on analytic costs, 4 on costs profiled on the model."""
+    counted byte for fp32 AdamW on analytic costs, 4 on costs profiled on the model.
+    shard_optimizer: every engine splits the optimizer's state over the `data_parallel` replicas
+    (ZeRO-1, Megatron's distributed optimizer; exact: see `runtime/engine.py`), and with
+    `optimizer` the memory limit counts 1/data_parallel of that state per device."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -965,6 +972,8 @@ def compile(
         raise ArgumentError(f"compile: cluster {cluster.name!r} is one of {cluster.data_parallel} data-parallel replicas "
                             f"(ClusterSpec.replica); compile runs every replica it prices: give the whole cluster with "
                             f"data_parallel={cluster.data_parallel}")
+    if not isinstance(shard_optimizer, bool):
+        raise ArgumentError(f"compile: shard_optimizer must be True or False, got {shard_optimizer!r:.40}")
     full_cluster, cluster = cluster, cluster.replica(data_parallel) if data_parallel > 1 else cluster
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     empty = [i for i, t in enumerate(inputs) if hasattr(t, "dim") and t.dim() and t.shape[0] == 0]
@@ -1017,7 +1026,7 @@ def compile(
         hazards = selective_hazards(graph)
         table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
         if optimizer is not None:
-            memory = _optimizer_memory(optimizer, model, table, memory)
+            memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1)
         report = None
         runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
@@ -1071,7 +1080,7 @@ def compile(
         timed("verify", lambda: verify(programs, chosen, links))
         specs = tuple((tuple(t.shape), t.dtype) for t in (*inputs, example_target))  # (a target is guessed if not given)
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
-                        seconds, loss_weight, runners_up, autocast, data_parallel, specs)
+                        seconds, loss_weight, runners_up, autocast, data_parallel, specs, shard_optimizer)
 
 
 @dataclass

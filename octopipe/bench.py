@@ -121,6 +121,15 @@ def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -
     return torch.optim.SGD(params, lr=learning_rate) if name == "sgd" else torch.optim.AdamW(params, lr=learning_rate)
 
 
+def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
+    """`training_optimizer` for an engine's parameters; with `shard_optimizer`, attached to the
+    engine over its share (every copy of the rank must then step it: the step ends in a
+    broadcast among them). None for a rank without parameters, unless sharded."""
+    if engine.shard_optimizer:
+        return engine.attach_optimizer(lambda params: training_optimizer(name, params, learning_rate))
+    return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
+
+
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
@@ -129,8 +138,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 
     torch.manual_seed(0)
     engines = [pipe.engine(rank) for pipe in pipes]
-    optimizers = [training_optimizer(optimizer, [p for _, p in e.named_parameters()], learning_rate)
-                  if learning_rate else None for e in engines]
+    optimizers = [attached_optimizer(e, optimizer, learning_rate) if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]

@@ -816,7 +816,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule,
                             time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
-                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer)
+                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
+                            shard_optimizer=args.shard_optimizer)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -894,7 +895,7 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
-                                       memory=pipe.simulation.memory)
+                                       memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -953,7 +954,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
 
     import octopipe
     from octopipe import models
-    from octopipe.bench import training_optimizer
+    from octopipe.bench import attached_optimizer
     from octopipe.ir.plan import PipelinePlan
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -984,7 +985,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      costs=costs, schedule=args.schedule,
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel,
-                                     optimizer=args.optimizer)
+                                     optimizer=args.optimizer, shard_optimizer=args.shard_optimizer)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1000,7 +1001,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         return EXIT_OK
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
-                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer)
+                            autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
+                            shard_optimizer=args.shard_optimizer)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1012,7 +1014,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     engine = pipe.engine(rank, device=device, init=init)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
-    optimizer = training_optimizer(args.optimizer, [p for _, p in engine.named_parameters()], args.lr)
+    optimizer = attached_optimizer(engine, args.optimizer, args.lr)
     if first is not None:
         print(first.dump("plan"), flush=True)
     step_ms = []
@@ -1089,7 +1091,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--autocast", args.autocast] if args.autocast else []
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
-    words += [flag for flag, on in (("--profile", args.profile), ("--quiet", args.quiet)) if on]
+    words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer), ("--profile", args.profile),
+                                    ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
             f"--rdzv-endpoint $MASTER_ADDR:29500 {shlex.join(words)}")
@@ -1184,7 +1187,7 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
         octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
-                         optimizer=args.optimizer)
+                         optimizer=args.optimizer, shard_optimizer=args.shard_optimizer)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1259,8 +1262,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the model's own weights (fp32 AdamW on analytic costs: 8)")
     p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
                    help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
-                        "distributed optimizer) where the job that runs the plan shards it (OctoPipe's runtime does "
-                        "not; default 1)")
+                        "distributed optimizer) where the job that runs the plan shards it (train --shard-optimizer, "
+                        "compile(shard_optimizer=True); default 1)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--effort", type=_effort, default=1.0,
                    help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "
@@ -1318,6 +1321,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", type=_positive_int, default=None, metavar="D",
                    help="D replicas of the pipeline, gradients summed each step (default: a plan file's count, "
                         "else 1; --nprocs counts all ranks: default 2 x D, or the plan's devices x D)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="split the optimizer's state over the --data-parallel replicas (ZeRO-1, Megatron's "
+                        "distributed optimizer): each steps its share and sends it to the others; the same updates, "
+                        "1/D of the state per rank, and the plan's memory limit counts that")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

@@ -99,7 +99,7 @@ class MemoryModel:
         model itself). `weight_bytes`: the bytes per weight the job holds its weights in (default:
         the table's; 4 for fp32 weights; mixed-adam's are bf16). `shards`: the optimizer's own
         state split over that many data-parallel replicas (ZeRO-1, Megatron's distributed
-        optimizer; OctoPipe's runtime does not shard, this prices a job that does). Mixed-adam
+        optimizer; OctoPipe's runtime does it with `compile(shard_optimizer=True)`). Mixed-adam
         on a bf16 table is the default model (8 bytes per byte of weights); adamw there 4, sgd 2."""
         if name not in OPTIMIZER_STATE:
             raise ArgumentError(f"MemoryModel.for_optimizer: unknown optimizer {name!r:.40}; use one of "

@@ -742,17 +742,22 @@ def test_train_and_dump_take_bf16_and_fp16_autocast(capsys):
 
 @pytest.mark.timeout(300)
 def test_train_with_data_parallel_replicas(capsys):
+    # the optimizer's state sharded over the replicas (ZeRO-1): each steps half of AdamW's
     assert main(["train", "--model", "gemma", "--data-parallel", "2", "--schedule", "zb-h1", "--steps", "2",
-                 "--quiet"]) == EXIT_OK
+                 "--optimizer", "adamw", "--shard-optimizer", "--quiet"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "2 replicas of this 2-rank pipeline (4 processes)" in out
     losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
-    # every replica trains on the same batch here: the same first loss as one pipeline alone
-    assert main(["train", "--model", "gemma", "--schedule", "zb-h1", "--steps", "1", "--quiet"]) == EXIT_OK
-    alone = float(re.search(r"^step 0: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE).group(1))
-    assert len(losses) == 2 and losses[0] == pytest.approx(alone, abs=1e-5)
-    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--nprocs", "8", "--torchrun"]) == EXIT_OK
-    assert "--nproc-per-node 8" in (line := capsys.readouterr().out) and line.rstrip().endswith("--data-parallel 2")
+    # every replica trains on the same batch here: the losses of one pipeline alone, after the
+    # sharded update too
+    assert main(["train", "--model", "gemma", "--schedule", "zb-h1", "--steps", "2", "--optimizer", "adamw",
+                 "--quiet"]) == EXIT_OK
+    alone = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
+    assert len(losses) == 2 and losses == pytest.approx(alone, abs=1e-5) and losses[1] != losses[0]
+    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--nprocs", "8", "--shard-optimizer",
+                 "--torchrun"]) == EXIT_OK
+    assert "--nproc-per-node 8" in (line := capsys.readouterr().out)
+    assert line.rstrip().endswith("--data-parallel 2 --shard-optimizer")
     assert main(["train", "--model", "gemma", "--data-parallel", "3", "--nprocs", "4"]) == EXIT_ERROR
     assert "not a multiple of --data-parallel 3" in capsys.readouterr().err
 
@@ -1117,3 +1122,17 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
     ranks = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(local) == 3 and local == ranks, (local, ranks)
     assert len(set(local)) == 3  # the model learns: an update between steps, not the same step thrice
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys):
+    # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
+    words = ["train", "--model", "gemma", "--nprocs", "2", "--data-parallel", "2", "--schedule", "1f1b",
+             "--microbatches", "2", "--steps", "3", "--optimizer", "adamw", "--lr", "0.01", "--shard-optimizer",
+             "--quiet"]
+    assert main(words) == EXIT_OK
+    local = [line.split()[3] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    proc = _torchrun(words, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(local) == 3 and local == ranks and len(set(local)) == 3, (local, ranks)

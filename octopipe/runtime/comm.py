@@ -59,7 +59,7 @@ class Pending:
 
 
 class Transport:
-    """isend / irecv / all-reduce with bounded waits, for one rank."""
+    """isend / irecv / all-reduce / broadcast with bounded waits, for one rank."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_s: float = 60.0) -> None:
         self.rank = rank
@@ -137,6 +137,10 @@ class Transport:
     def all_reduce(self, tensor: torch.Tensor, what: str, group: Any = None) -> Any:
         """Start a sum all-reduce; finish it with `finish`."""
         return Pending([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)], [tensor], -1, what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str, group: Any = None) -> Any:
+        """Start a broadcast of `tensor` from global rank `src`; finish it with `finish`."""
+        return Pending([dist.broadcast(tensor, src=src, group=group, async_op=True)], [tensor], src, what)
 
     def finish(self, pending: Pending) -> None:
         try:

@@ -45,6 +45,16 @@ instruction on the rank has run, so it overlaps the rest of the backward; the pa
 across ranks after their tied all-reduce, at `step`. The engine starts by broadcasting replica 0's parameters and
 buffers to the others, as DDP does.
 
+Sharded optimizer state (`shard_optimizer=True`, ZeRO stage 1, Megatron's distributed optimizer,
+as torch's `ZeroRedundancyOptimizer` does it): the D copies of a pipeline rank split its
+parameters between them (`shard_owners`: whole parameters, the largest first to the replica
+holding the fewest elements), each builds its optimizer over its own share only
+(`optimizer_parameters`), so it holds about 1/D of the optimizer's state, and every
+`optimizer.step()` ends (a post-step hook) by broadcasting each share's updated values from its
+owner to the other copies. Gradients are all-reduced as without it, so the updates, and the
+whole run, are those of the unsharded optimizer, bit for bit. Every copy must step its optimizer
+each time (the broadcast is collective over the D copies).
+
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
 
@@ -222,6 +232,7 @@ class Engine:
         data_parallel: int = 1,
         loss_scaler: amp.LossScaler | None = None,
         batch_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
+        shard_optimizer: bool = False,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -238,12 +249,17 @@ class Engine:
         defaults); refused without fp16. `batch_specs`: the (shape, dtype) of each tensor of the
         example batch, the model's inputs then the target (`Pipeline.engine` gives them): then
         every rank refuses a `step` or `evaluate` whose batch differs (another count of inputs, no
-        target, another shape or dtype), not only the ranks that read the tensor that differs."""
+        target, another shape or dtype), not only the ranks that read the tensor that differs.
+        `shard_optimizer`: split the optimizer's state over the D replicas (ZeRO-1; see the module
+        docstring); the optimizer must then be a factory, or one built over `optimizer_parameters()`."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
                                 f"divides the world size {world_size}")
+        if not isinstance(shard_optimizer, bool):
+            raise ArgumentError(f"rank {rank}: Engine(shard_optimizer={shard_optimizer!r}): must be True or False")
         self.replicas = Replicas(rank, world_size, data_parallel)
+        self.shard_optimizer = shard_optimizer
         if program.rank != self.replicas.stage_rank or program.num_ranks != self.replicas.pipeline_size:
             raise ExecutionError(f"rank {rank}: program is for pipeline rank {program.rank} of {program.num_ranks}, "
                                  f"engine is pipeline rank {self.replicas.stage_rank} of {self.replicas.pipeline_size}"
@@ -283,6 +299,9 @@ class Engine:
         """Per stage that runs its forward again at B: where its buffers live (found once)."""
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
+        self.shard_owners = self._shard_owners() if shard_optimizer else {}
+        """With `shard_optimizer`: parameter (original name) -> the replica whose optimizer steps it."""
+        self._shard_hook: Any = None
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
@@ -454,20 +473,68 @@ class Engine:
                     seen.add(name)
                     yield name, buffer
 
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank's optimizer steps: `parameters()`, or with `shard_optimizer`
+        this replica's share of them (`shard_owners`)."""
+        if not self.shard_optimizer:
+            return self.parameters()
+        return [param for name, param in self._params.items() if self.shard_owners[name] == self.replicas.replica]
+
+    def _shard_owners(self) -> dict[str, int]:
+        """Each parameter's owning replica: the largest first (then by name) to the replica that
+        owns the fewest elements so far (the lowest of equals). The same on every copy of this
+        pipeline rank: they hold the same names and shapes."""
+        owned = [0] * self.replicas.size
+        owners: dict[str, int] = {}
+        for name in sorted(self._params, key=lambda n: (-self._params[n].numel(), n)):
+            replica = min(range(self.replicas.size), key=lambda r: (owned[r], r))
+            owners[name] = replica
+            owned[replica] += self._params[name].numel()
+        return owners
+
+    def _broadcast_shards(self) -> None:
+        """After the sharded optimizer's step: each replica's updated parameters from it to the
+        other copies of this pipeline rank (a flat broadcast per owner and dtype)."""
+        if self.replicas.size == 1 or not dist.is_initialized():
+            return
+        started = []
+        me = self.replicas.replica
+        for replica in range(self.replicas.size):
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for name, param in self._params.items():
+                if self.shard_owners[name] == replica and param.requires_grad:  # a frozen one never changes
+                    by_dtype.setdefault(param.dtype, []).append(param)
+            for dtype in sorted(by_dtype, key=str):
+                params = by_dtype[dtype]
+                flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
+                        torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
+                src = self.replicas.stage_rank * self.replicas.size + replica
+                what = f"rank {self.rank}: optimizer step: the parameters replica {replica} updated (shard_optimizer)"
+                started.append((self.transport.broadcast(flat, src, what, self._data_group), params, flat, replica))
+        for pending, params, flat, replica in started:
+            self.transport.finish(pending)
+            if replica != me:
+                offset = 0
+                with torch.no_grad():
+                    for param in params:
+                        param.copy_(flat[offset:offset + param.numel()].view_as(param))
+                        offset += param.numel()
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """An optimizer over `parameters()`, or a factory called with them. A rank that holds no
+        """An optimizer over `optimizer_parameters()` (all of `parameters()` unless the state is
+        sharded), or a factory called with them. A rank (or a replica's share) that holds no
         parameter that trains (a plan may give one only parameterless layers, the loss say, or
         only frozen ones) calls the factory with them and one empty 2-D stand-in parameter, since
         torch refuses an optimizer over none: it never gets a gradient, so stepping changes
         nothing, and no state dict names it. It has the shape of a weight, so the usual filters
         (`p.requires_grad`, `p.ndim > 1` for decay) keep it; a factory whose filter keeps none of
         a rank's parameters (only 1-D ones there) is called again with it beside them."""
-        own = {id(p) for p in self._params.values()}
+        own = {id(p) for p in self.optimizer_parameters()}
         if not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
                 raise ArgumentError(f"rank {self.rank}: attach_optimizer takes a torch.optim.Optimizer or a function "
                                     f"of the parameters returning one, got {type(optimizer).__name__}")
-            params = self.parameters()
+            params = self.optimizer_parameters()
             factory = optimizer
             # with no parameter that trains, the stand-in from the start; where the factory's
             # filter keeps none of this rank's (only 1-D ones under `p.ndim > 1`), with it again
@@ -496,8 +563,19 @@ class Engine:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in own:
+                    if self.shard_optimizer and any(param is p for p in self._params.values()):
+                        raise ExecutionError(
+                            f"rank {self.rank}: the optimizer holds a parameter another replica's optimizer steps "
+                            f"(shard_optimizer: replica {self.replicas.replica} steps its share only); build it over "
+                            "engine.optimizer_parameters(), or pass a factory (lambda params: "
+                            "torch.optim.AdamW(params, ...)), which gets them")
                     raise ExecutionError(f"rank {self.rank}: the optimizer holds a parameter this rank does not "
-                                         "(build it over engine.parameters())")
+                                         "(build it over engine.optimizer_parameters())")
+        if self._shard_hook is not None:  # an optimizer attached before: its broadcast goes with it
+            self._shard_hook.remove()
+            self._shard_hook = None
+        if self.shard_optimizer and self.replicas.size > 1:
+            self._shard_hook = optimizer.register_step_post_hook(lambda *_: self._broadcast_shards())
         self.optimizer = optimizer
         return optimizer
 
@@ -1074,8 +1152,14 @@ class Engine:
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
-        replicas, replica 0's ranks hold it all; the others send only their dropout streams."""
-        shard = self.state_dict() if self.replicas.replica == 0 else {"model": {}, "random": self._streams()}
+        replicas, replica 0's ranks hold it all; the others send only their dropout streams, and
+        with `shard_optimizer` their share of the optimizer's state."""
+        if self.replicas.replica == 0:
+            shard = self.state_dict()
+        else:
+            shard = {"model": {}, "random": self._streams()}
+            if self.shard_optimizer and self.optimizer is not None:
+                shard["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
         if self.world_size == 1 or not dist.is_initialized():
             return merge_state_dicts([shard])
         cpu_shard = _to_cpu(shard)
