@@ -1142,7 +1142,10 @@ def plan_data_parallel(
     the whole batch is one replica's iteration (they run
     side by side), their gradient all-reduce included. The fastest count wins (fewer replicas
     on a tie); a count whose replica cannot plan (the model does not fit in memory, fewer layers
-    than devices) is listed with the reason."""
+    than devices) is listed with the reason. `memory` (one of `options`) may be a function of the
+    replica count returning each count's MemoryModel: `lambda d: MemoryModel.for_optimizer("adamw",
+    shards=d)` where the job shards its optimizer state over its replicas (ZeRO-1,
+    `compile(shard_optimizer=True)`), so more replicas hold less each."""
     cluster = ClusterSpec.of(cluster, "plan_data_parallel: cluster")
     if cluster.data_parallel > 1:
         raise ArgumentError(f"plan_data_parallel: the cluster is already one of {cluster.data_parallel} replicas "
@@ -1172,6 +1175,15 @@ def plan_data_parallel(
                             f"{num_microbatches} microbatches")
     if not _positive_finite(time_limit_s):
         raise ArgumentError(f"plan_data_parallel: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    memory = options.pop("memory", MemoryModel())
+    if isinstance(memory, MemoryModel) or not callable(memory):  # (plan refuses what is not a MemoryModel)
+        memories = {count: memory for count, _ in candidates}
+    else:
+        memories = {count: memory(count) for count, _ in candidates}
+        for count, model in memories.items():
+            if not isinstance(model, MemoryModel):
+                raise ArgumentError(f"plan_data_parallel: memory({count}) returned {type(model).__name__}, not a "
+                                    "MemoryModel; return e.g. MemoryModel.for_optimizer('adamw', shards=count)")
     tried, failures = [], []
     deadline = time.perf_counter() + time_limit_s
     # the most replicas first: their replicas are the smallest searches, and those that cannot
@@ -1180,7 +1192,8 @@ def plan_data_parallel(
         share = max(0.1, (deadline - time.perf_counter()) / (len(candidates) - left))
         row = ReplicaCount(count, replica.num_devices, num_microbatches // count)
         try:
-            row.result = plan(costs, replica, row.num_microbatches, time_limit_s=share, quiet=quiet, **options)
+            row.result = plan(costs, replica, row.num_microbatches, time_limit_s=share, quiet=quiet,
+                              memory=memories[count], **options)
         except OctopipeError as error:
             row.error = str(error).splitlines()[0].split(" (")[0][:200]
             failures.append(error)

@@ -533,6 +533,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "--data-parallel to plan that replica, or give a spec of every device, without "
                             "data_parallel, with --data-parallel")
     replicas = 1 if args.data_parallel is None else args.data_parallel
+    if args.shard_optimizer and args.optimizer_shards > 1:
+        raise OctopipeError(f"plan --shard-optimizer --optimizer-shards {args.optimizer_shards}: give one; "
+                            "--shard-optimizer shards over the --data-parallel replicas, --optimizer-shards over a "
+                            "count you name")
     if replicas == "auto" and (args.devices or args.runners_up):
         raise OctopipeError(f"plan --data-parallel auto: {'--devices' if args.devices else '--runners-up'} applies "
                             "to one replica count; give the count (--data-parallel D) with it")
@@ -562,6 +566,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
                    solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute,
                    memory=_memory_model(args.optimizer, args.optimizer_shards, graph, costs))
+    if args.shard_optimizer:
+        if replicas == "auto":  # each count's replicas hold their share
+            options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs)
+        else:
+            options["memory"] = _memory_model(args.optimizer, cluster.data_parallel, graph, costs)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -1262,8 +1271,11 @@ def _parser() -> argparse.ArgumentParser:
                         "the model's own weights (fp32 AdamW on analytic costs: 8)")
     p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
                    help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
-                        "distributed optimizer) where the job that runs the plan shards it (train --shard-optimizer, "
-                        "compile(shard_optimizer=True); default 1)")
+                        "distributed optimizer) where the job that runs the plan shards it (default 1)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="the optimizer's own state split over the --data-parallel replicas, as train "
+                        "--shard-optimizer runs it (ZeRO-1); with --data-parallel auto, each count's replicas hold "
+                        "their share, so more replicas hold less each")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--effort", type=_effort, default=1.0,
                    help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "

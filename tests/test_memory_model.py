@@ -152,3 +152,27 @@ def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path,
     assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux2", "--microbatches", "4",
                  "--optimizer", "sgd", "--quiet", "--time-limit", "5", "--no-solver", "-o", str(path)]) == EXIT_OK
     assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(4.0)
+
+
+def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimizer_state(capsys):
+    # 8 layers of 2 GiB of weights on 8 H100s under a 24 GiB limit, AdamW (4 bytes per counted
+    # byte): 4 replicas of 2 devices hold 8 GiB of weights each, 32 GiB with the state; sharded
+    # over the 4 replicas (ZeRO-1), 2 + 2/4 bytes: 20 GiB, which fits
+    costs, cluster = heavy_weights(), ClusterSpec.preset("h100x8")
+    options = dict(quiet=True, effort=0.02, memory_limit_bytes=24 * GiB, counts=(2, 4), time_limit_s=20)
+    whole = octopipe.plan_data_parallel(costs, cluster, 16, memory=MemoryModel.for_optimizer("adamw"), **options)
+    sharded = octopipe.plan_data_parallel(costs, cluster, 16, memory=lambda d: MemoryModel.for_optimizer("adamw",
+                                                                                                          shards=d),
+                                          **options)
+    rows = {row.data_parallel: row for row in whole.tried}
+    assert rows[2].result is not None and rows[4].result is None and "no plan fits 24.00 GiB" in rows[4].error
+    rows = {row.data_parallel: row for row in sharded.tried}
+    assert rows[4].result is not None and rows[2].result is not None
+    assert rows[4].result.simulation.memory == MemoryModel.for_optimizer("adamw", shards=4)
+    assert rows[2].result.simulation.memory == MemoryModel.for_optimizer("adamw", shards=2)
+    assert max(rows[4].result.simulation.peak_memory_bytes) <= 24 * GiB
+    with pytest.raises(ArgumentError, match=r"memory\(2\) returned float, not a MemoryModel"):
+        octopipe.plan_data_parallel(costs, cluster, 16, memory=lambda d: 8.0, **options)
+    assert main(["plan", "--costs", "x.json", "--data-parallel", "2", "--shard-optimizer",
+                 "--optimizer-shards", "2"]) != EXIT_OK
+    assert "give one" in capsys.readouterr().err
