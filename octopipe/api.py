@@ -955,8 +955,11 @@ def compile(
     counts per weight (analytic costs count bf16 whatever the model holds), e.g. 8 bytes per
     counted byte for fp32 AdamW on analytic costs, 4 on costs profiled on the model.
     shard_optimizer: every engine splits the optimizer's state over the `data_parallel` replicas
-    (ZeRO-1, Megatron's distributed optimizer; exact: see `runtime/engine.py`), and with
-    `optimizer` the memory limit counts 1/data_parallel of that state per device."""
+    (ZeRO-1, Megatron's distributed optimizer; exact: see `runtime/engine.py`): the memory limit
+    counts 1/data_parallel of the optimizer's own state per device (`optimizer`'s, else the
+    default mixed-precision Adam's; a `memory` with its own state bytes is taken as given) and
+    the simulation prices the broadcast of each replica's updated share after the step
+    (`MemoryModel.shards`)."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -998,6 +1001,13 @@ def compile(
     if optimizer is not None and memory.state_bytes_per_param_byte != MemoryModel().state_bytes_per_param_byte:
         raise ArgumentError("compile: give optimizer= (its state is then sized from the model's weights) or memory= "
                             "with your own state_bytes_per_param_byte, not both")
+    if shard_optimizer and optimizer is None and data_parallel > 1:
+        # the default state is mixed-precision Adam's: its own part sharded; a state given as
+        # bytes is taken as it is, with the sharded step's broadcast priced
+        memory = (MemoryModel(MemoryModel.for_optimizer("mixed-adam", data_parallel).state_bytes_per_param_byte,
+                              memory.weight_memory_fraction, data_parallel)
+                  if memory.state_bytes_per_param_byte == MemoryModel().state_bytes_per_param_byte
+                  else MemoryModel(memory.state_bytes_per_param_byte, memory.weight_memory_fraction, data_parallel))
 
     def timed(name: str, function: Callable[[], Any]) -> Any:
         clock = time.perf_counter()
@@ -1437,7 +1447,7 @@ def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: Memo
         held = sum(p.numel() * p.element_size() for p in weights)
         state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
                                           weight_bytes=held / count)
-    return MemoryModel(state.state_bytes_per_param_byte, memory.weight_memory_fraction)
+    return MemoryModel(state.state_bytes_per_param_byte, memory.weight_memory_fraction, shards)
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,

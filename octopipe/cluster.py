@@ -162,6 +162,17 @@ class ClusterSpec:
         steps = 2 * (copies - 1)
         return (steps * self.latency_s + steps / copies * num_bytes / bandwidth) * 1e3
 
+    def all_gather_ms(self, num_bytes: float) -> float:
+        """A ring all-gather over the `data_parallel` copies of a device where each holds 1/d of
+        `num_bytes`: (d - 1) / d of the bytes and d - 1 latencies; 0 without copies (what the
+        runtime's broadcast of each copy's share after a sharded optimizer step moves)."""
+        copies = self.data_parallel
+        if copies <= 1:
+            return 0.0
+        bandwidth = self.data_parallel_bandwidth or self.intra_node_bandwidth
+        steps = copies - 1
+        return (steps * self.latency_s + steps / copies * num_bytes / bandwidth) * 1e3
+
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,7 +28,9 @@ Data parallelism (`cluster.data_parallel` = D > 1, a `ClusterSpec.replica`): eve
 its gradients with its D - 1 copies (`cluster.all_reduce_ms`) bucket by bucket, as the runtime
 issues them beside the backward: a stage's parameters once its last B/W on the device has run,
 the parameters tied across devices after their tied all-reduce; one all-reduce at a time per
-device. The iteration ends when the last has (`Reduction`s named "data-parallel ...").
+device. With the optimizer's state sharded over the copies (`MemoryModel.shards` > 1) each
+device then sends its copies their updated shares (`cluster.all_gather_ms` of its parameters).
+The iteration ends when the last has (`Reduction`s named "data-parallel ...").
 
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
@@ -89,6 +91,11 @@ class MemoryModel:
     (`LayerCost.param_bytes`)."""
     weight_memory_fraction: float = ZERO_BUBBLE_WEIGHT_MEMORY
     """Share of a stage's activation bytes its B leaves for its W."""
+    shards: int = 1
+    """The data-parallel replicas the optimizer's state and step are split over (ZeRO-1;
+    `for_optimizer`'s `shards`). With replicas (a `ClusterSpec.replica`), the simulator prices
+    what OctoPipe's runtime then does after the step: each replica's updated share sent to the
+    other copies (an all-gather's bytes, "data-parallel shard broadcast")."""
 
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
@@ -118,7 +125,7 @@ class MemoryModel:
         else:
             size = param_bytes_per_weight if weight_bytes is None else weight_bytes
             held, own = 2 * size, moments * size
-        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight)
+        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards)
 
     def check(self, where: str) -> None:
         """Raise ArgumentError unless both fields are sensible numbers."""
@@ -128,16 +135,23 @@ class MemoryModel:
                                 f"byte of weights (8 for mixed-precision Adam), got {state!r:.40}")
         if not (is_finite_number(share) and 0.0 <= share <= 1.0):
             raise ArgumentError(f"{where}: weight_memory_fraction must be a share in [0, 1], got {share!r:.40}")
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ArgumentError(f"{where}: shards must be a positive integer (data-parallel replicas the optimizer "
+                                f"state is split over), got {self.shards!r:.40}")
 
     def to_dict(self) -> dict[str, float]:
-        return {"state_bytes_per_param_byte": self.state_bytes_per_param_byte,
+        data = {"state_bytes_per_param_byte": self.state_bytes_per_param_byte,
                 "weight_memory_fraction": self.weight_memory_fraction}
+        if self.shards != 1:
+            data["shards"] = self.shards
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> MemoryModel:
-        if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction"}:
-            raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte and "
-                                f"weight_memory_fraction, got {data!r:.120}")
+        if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction",
+                                                      "shards"}:
+            raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte, "
+                                f"weight_memory_fraction and optionally shards, got {data!r:.120}")
         model = cls(**data)
         model.check(where)
         return model
@@ -799,7 +813,8 @@ def _run(
             iteration = max(iteration, end)
             reductions.append(Reduction(name, devices, start, end))
     if cluster.data_parallel > 1:
-        for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until):
+        for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
+                                                memory.shards > 1):
             iteration = max(iteration, reduction.end_ms)
             reductions.append(reduction)
     iteration += cluster.step_overhead_ms  # host time outside the ops, once a step
@@ -822,11 +837,15 @@ def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, nu
 
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
-                           done: list[float], per_kind: int, reduced_until: Sequence[float]) -> list[Reduction]:
+                           done: list[float], per_kind: int, reduced_until: Sequence[float],
+                           sharded: bool = False) -> list[Reduction]:
     """Each device's gradient all-reduces over its data-parallel copies, as the runtime issues
     them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
     two of the device's stages share goes with the later one), then the parameters tied across
-    devices after their tied all-reduce; one at a time per device, in the order they are ready."""
+    devices after their tied all-reduce; one at a time per device, in the order they are ready.
+    `sharded` (the optimizer's state split over the copies): then, once the device's last has
+    ended (and its optimizer stepped, which is not priced), each copy's updated share of the
+    device's parameters goes to the others, priced as an all-gather of them."""
     num_micro = plan.num_microbatches
     ready = [0.0] * plan.num_stages
     for ops in plan.device_ops:
@@ -857,12 +876,19 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
             end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
             queue.append((max(end_of_backward, reduced_until[device]), -1))
         free = 0.0
+        held = 0.0
         for at, stage in queue:
             size = bucket[stage] if stage >= 0 else across[device]
+            held += size
             start = max(at, free)
             free = start + cluster.all_reduce_ms(size) + cluster.message_overhead_ms
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))
+        if sharded and held > 0:
+            end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
+            start = max(free, end_of_backward)
+            result.append(Reduction("data-parallel shard broadcast", (device,), start,
+                                    start + cluster.all_gather_ms(held) + cluster.message_overhead_ms))
     return result
 
 

@@ -155,6 +155,28 @@ def test_shard_optimizer_arguments_and_memory():
     assert sharded.simulation.memory.state_bytes_per_param_byte == pytest.approx(6.0)
     assert max(sharded.simulation.peak_memory_bytes) < max(whole.simulation.peak_memory_bytes)
     assert sharded.shard_optimizer and not whole.shard_optimizer
+    # the sharded step's broadcast is priced: after each device's last all-reduce, an all-gather
+    # of its parameters over the copies
+    cluster = sharded.simulation.cluster
+    for device in range(sharded.plan.num_devices):
+        mine = [r for r in sharded.simulation.reductions if r.devices == (device,)]
+        broadcast = mine[-1]
+        assert broadcast.name == "data-parallel shard broadcast"
+        assert broadcast.start_ms >= max(r.end_ms for r in mine[:-1]) - 1e-9
+        layers = [layer for stage in sharded.plan.stages if sharded.plan.placement[stage.index] == device
+                  for layer in range(stage.layer_start, stage.layer_end)]
+        # (the tied embedding and head sit on different devices: each holds it once)
+        assert all(sum(layer in layers for layer in tied.layers) <= 1 for tied in sharded.costs.tied)
+        held = sum(sharded.costs.layers[layer].param_bytes for layer in layers)
+        expected = cluster.all_gather_ms(held) + cluster.message_overhead_ms
+        assert broadcast.end_ms - broadcast.start_ms == pytest.approx(expected)
+    assert not any(r.name == "data-parallel shard broadcast" for r in whole.simulation.reductions)
+    assert sharded.simulation.iteration_ms > whole.simulation.iteration_ms
+    assert cluster.all_gather_ms(2**20) == pytest.approx(cluster.all_reduce_ms(2**20) / 2)  # 2 copies
+    # without optimizer=, the default state (mixed-precision Adam's) is the one sharded
+    default = octopipe.compile(_model(), "cpux4", shard_optimizer=True,
+                               **{k: v for k, v in options.items() if k != "optimizer"})
+    assert default.simulation.memory == octopipe.MemoryModel.for_optimizer("mixed-adam", shards=2)
     with pytest.raises(ArgumentError, match="shard_optimizer='yes'.*True or False"):
         sharded.engine(0, shard_optimizer="yes")
     with pytest.raises(ArgumentError, match="compile: shard_optimizer must be True or False"):
