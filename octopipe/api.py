@@ -1121,8 +1121,9 @@ class DataParallelResult:
     tried: list[ReplicaCount]
 
     def __str__(self) -> str:
-        lines = ["replicas x devices  microbatches each  step ms  all-reduce ms",
-                 "-------------------------------------------------------------"]
+        sharded = any(row.result is not None and row.result.simulation.memory.shards > 1 for row in self.tried)
+        label = "all-reduce + share broadcast ms" if sharded else "all-reduce ms"
+        lines = [f"replicas x devices  microbatches each  step ms  {label}", "-" * (48 + len(label))]
         for row in self.tried:
             mark = "*" if row.data_parallel == self.data_parallel else " "
             if row.result is None:
@@ -1130,7 +1131,7 @@ class DataParallelResult:
                              f"no plan: {row.error}")
                 continue
             lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17} "
-                         f"{row.step_ms:>8.2f} {row.result.simulation.data_parallel_ms:>14.2f}")
+                         f"{row.step_ms:>8.2f} {row.result.simulation.data_parallel_ms:>{len(label) + 1}.2f}")
         return "\n".join(lines) + "\n\n" + str(self.best.report)
 
 

@@ -376,7 +376,8 @@ class SimResult:
     @property
     def data_parallel_ms(self) -> float:
         """The most time a device spends all-reducing its gradients over its data-parallel copies
-        (its buckets together; 0 without copies). Most of it may overlap the device's backward."""
+        (its buckets together; 0 without copies), and with the optimizer's state sharded sending
+        its updated share after. Most of the all-reduces may overlap the device's backward."""
         per_device: dict[int, float] = {}
         for r in self.reductions:
             if r.name.startswith("data-parallel"):
