@@ -1271,7 +1271,9 @@ def _parser() -> argparse.ArgumentParser:
                         "the model's own weights (fp32 AdamW on analytic costs: 8)")
     p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
                    help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
-                        "distributed optimizer) where the job that runs the plan shards it (default 1)")
+                        "distributed optimizer) where the job that runs the plan shards it (default 1); with "
+                        "--data-parallel the broadcast of each share after the step is priced too, as OctoPipe's "
+                        "runtime runs it")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the optimizer's own state split over the --data-parallel replicas, as train "
                         "--shard-optimizer runs it (ZeRO-1); with --data-parallel auto, each count's replicas hold "
