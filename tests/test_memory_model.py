@@ -34,6 +34,11 @@ def test_each_optimizer_brings_its_state_and_sharding_divides_only_the_optimizer
     assert OPTIMIZERS == tuple(OPTIMIZER_STATE)
     assert MemoryModel.for_optimizer("mixed-adam", shards=4).state_bytes_per_param_byte == 2.0 + 6.0 / 4
     assert MemoryModel.for_optimizer("sgd", shards=8).state_bytes_per_param_byte == 2.0  # nothing to shard
+    sharded = MemoryModel.for_optimizer("adamw", shards=4)
+    assert sharded.shards == 4 and MemoryModel.from_dict(sharded.to_dict(), "file") == sharded
+    assert "shards" not in MemoryModel.for_optimizer("adamw").to_dict()  # unsharded files as before
+    with pytest.raises(ArgumentError, match="file: shards must be a positive integer"):
+        MemoryModel.from_dict({**sharded.to_dict(), "shards": 0}, "file")
     with pytest.raises(ArgumentError, match="unknown optimizer 'lamb'.*mixed-adam, adamw"):
         MemoryModel.for_optimizer("lamb")
     for shards in (0, 1.5, True):
