@@ -274,6 +274,9 @@ def plan(
         notes.append(f"data parallelism: these devices are one of {cluster.data_parallel} replicas; every plan's time "
                      "includes summing each stage's gradients over its copies once its backward is done (a device's "
                      f"take up to {final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave them out)"
+                     + (f"; with the optimizer state sharded over the {cluster.data_parallel} copies "
+                        f"(MemoryModel.shards = {memory.shards}), each device's copies then send each other their "
+                        "updated shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
     if cluster.step_overhead_ms:

@@ -442,7 +442,11 @@ class SimResult:
                 f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
             )
         for reduction in self.reductions:
-            if reduction.name.startswith("data-parallel"):
+            if reduction.name == SHARD_BROADCAST:
+                lines.append(f"data-parallel: device {reduction.devices[0]}'s copies send each other their updated "
+                             f"shares (the optimizer state is sharded over the {self.cluster.data_parallel} copies) "
+                             f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
+            elif reduction.name.startswith("data-parallel"):
                 what = reduction.name.removeprefix("data-parallel ")
                 lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients ({what}) all-reduced over its "
                              f"{self.cluster.data_parallel} copies {reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
@@ -837,6 +841,10 @@ def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, nu
     return 0.0
 
 
+SHARD_BROADCAST = "data-parallel shard broadcast"
+"""The `Reduction` name of a device's share broadcast after a sharded optimizer step."""
+
+
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
                            done: list[float], per_kind: int, reduced_until: Sequence[float],
                            sharded: bool = False) -> list[Reduction]:
@@ -888,7 +896,7 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
         if sharded and held > 0:
             end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
             start = max(free, end_of_backward)
-            result.append(Reduction("data-parallel shard broadcast", (device,), start,
+            result.append(Reduction(SHARD_BROADCAST, (device,), start,
                                     start + cluster.all_gather_ms(held) + cluster.message_overhead_ms))
     return result
 
