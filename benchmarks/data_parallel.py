@@ -12,9 +12,14 @@ partitions, within device memory), OctoPipe's plan, the all-reduce time of its b
 why no plan fits; then OctoPipe's chosen count against the two fixed choices a Megatron user
 would make without a planner: all pipeline (D = 1), and the best baseline at whichever count
 suits it best (a user who tries every count with every schedule; `*` marks OctoPipe's count).
+`--shard-optimizer`: every job shards mixed-precision Adam's state over its replicas (ZeRO-1,
+Megatron's distributed optimizer, `compile(shard_optimizer=True)`), baselines included: each
+count's devices hold 1/D of the optimizer's own state, and each device's updated share goes to
+its copies after the step (priced as an all-gather, in the all-reduce column).
 Usage:
 
     python benchmarks/data_parallel.py [--time-limit 20] [--models deepseek,gemma] [--microbatches 64]
+                                       [--shard-optimizer]
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.plan_vs_baselines import analytic_tables  # noqa: E402
 from octopipe.api import plan_data_parallel  # noqa: E402
 from octopipe.cluster import ClusterSpec  # noqa: E402
+from octopipe.simulator import MemoryModel  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16)
 
 
-def run(name: str, costs, cluster: ClusterSpec, microbatches: int, time_limit_s: float) -> list[str]:
+def run(name: str, costs, cluster: ClusterSpec, microbatches: int, time_limit_s: float,
+        shard_optimizer: bool = False) -> list[str]:
     started = time.perf_counter()
-    result = plan_data_parallel(costs, cluster, microbatches, counts=COUNTS, time_limit_s=time_limit_s, quiet=True)
+    memory = (lambda count: MemoryModel.for_optimizer("mixed-adam", shards=count)) if shard_optimizer else MemoryModel()
+    result = plan_data_parallel(costs, cluster, microbatches, counts=COUNTS, time_limit_s=time_limit_s, quiet=True,
+                                memory=memory)
     seconds = time.perf_counter() - started
     lines = []
     fitting_baselines = []
@@ -69,19 +78,22 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="planning seconds per model, all counts together")
     parser.add_argument("--models", default=None, help="reference models, comma-separated (default: all)")
     parser.add_argument("--microbatches", type=int, default=64, help="microbatches of the whole batch")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="every job shards the optimizer's state over its replicas (ZeRO-1)")
     args = parser.parse_args()
     cluster = ClusterSpec.preset("h100x16")
     # each replica count pays its own gradient accumulation: M/D microbatches add into .grad
     tables = analytic_tables(cluster, args.models.split(",") if args.models else None, accumulation=True)
     print(f"OctoPipe's replica count vs fixed ones: 16 H100s (nodes of 8), {args.microbatches} microbatches in "
           f"all, {args.time_limit:.0f}s of planning per model; step = one replica's iteration (they run side by "
-          "side), all-reduce included")
+          "side), all-reduce included" + ("; the optimizer's state sharded over the replicas (ZeRO-1), its "
+                                         "broadcast after the step priced" if args.shard_optimizer else ""))
     print(f"{'model':<24}{'D':>4} x {'dev':<4}{'mb':>5}  {'best baseline (fits memory)':<28}{'ms':>9}"
           f" {'ours ms':>8} {'allred ms':>9}{'speedup':>9}")
     print("-" * 104)
     started = time.perf_counter()
     for name, costs in tables.items():
-        for line in run(name, costs, cluster, args.microbatches, args.time_limit):
+        for line in run(name, costs, cluster, args.microbatches, args.time_limit, args.shard_optimizer):
             print(line, flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 
