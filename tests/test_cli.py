@@ -28,7 +28,7 @@ def test_help_lists_every_command(capsys):
 
 def test_plan_simulate_show_round_trip(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    code = main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
+    code = main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
                  "--quiet", "--no-solver", "-o", str(plan_path)])
     assert code == EXIT_OK
     out = capsys.readouterr().out
@@ -53,7 +53,7 @@ def test_effort_scales_the_search_as_in_the_api(tmp_path, capsys):
                                             for i in range(10)]}))
 
     def work(argv):
-        assert main(["plan", "--costs", str(table), "--devices", "3", "--microbatches", "6", "--time-limit", "60",
+        assert main(["plan", "--effort", "0.05", "--costs", str(table), "--devices", "3", "--microbatches", "6", "--time-limit", "60",
                      "--quiet", "--no-solver", *argv]) == EXIT_OK
         note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: tuner:"))
         return int(note.split("(")[1].split(" op-steps")[0])
@@ -67,7 +67,7 @@ def test_effort_scales_the_search_as_in_the_api(tmp_path, capsys):
 
 def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--devices", "4", "--microbatches", "8",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--cluster", "h100x16", "--devices", "4", "--microbatches", "8",
                  "--time-limit", "4", "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     report = capsys.readouterr().out
     # no --costs, no --cluster: the ones saved in the file; the prediction is the planner's own
@@ -85,7 +85,7 @@ def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, cap
     assert main(["show", str(plan_path), "-o", str(picture)]) == EXIT_OK
     # a text plan carries no costs: the error says what to give
     text_path = tmp_path / "plan.txt"
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
                  "--quiet", "--no-solver", "-o", str(text_path)]) == EXIT_OK
     capsys.readouterr()
     assert main(["simulate", str(text_path)]) == EXIT_ERROR
@@ -93,7 +93,7 @@ def test_a_json_plan_simulates_and_shows_on_what_it_was_planned_on(tmp_path, cap
 
 
 def test_plan_min_gain_returns_the_baseline_when_the_search_gains_less(capsys):
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "2",
                  "--quiet", "--no-solver", "--min-gain", "50"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "under min_gain 50.0%" in out
@@ -153,20 +153,20 @@ def test_dump_every_level(tmp_path, capsys):
 
 
 def test_exit_codes(tmp_path, capsys):
-    assert main(["plan", "--costs", str(tmp_path / "missing.json")]) == EXIT_ERROR
+    assert main(["plan", "--effort", "0.05", "--costs", str(tmp_path / "missing.json")]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("octopipe: error:") and "missing.json" in err and "Traceback" not in err
     heavy = tmp_path / "heavy.json"
     heavy.write_text(json.dumps({"layers": [
         {"name": f"l{i}", "forward_ms": 1, "backward_ms": 2, "param_bytes": 2 * 2**30, "activation_bytes": 2**20}
         for i in range(4)]}))
-    assert main(["plan", "--costs", str(heavy), "--devices", "2", "--microbatches", "4", "--quiet",
+    assert main(["plan", "--effort", "0.05", "--costs", str(heavy), "--devices", "2", "--microbatches", "4", "--quiet",
                  "--memory-limit", "16"]) == EXIT_INFEASIBLE
     assert "more devices" in capsys.readouterr().err
     bad = tmp_path / "bad.txt"
     bad.write_text("plan devices=1 microbatches=1 stages=1\nstage 0 layers=0:3 device=0\ndevice 0: 0F0\n")
     assert main(["simulate", str(bad), "--costs", str(PROFILE)]) == EXIT_INVALID_PLAN
-    assert main(["plan", "--model", "nonexistent"]) == EXIT_ERROR
+    assert main(["plan", "--effort", "0.05", "--model", "nonexistent"]) == EXIT_ERROR
 
 
 def test_train_torchrun_line(capsys):
@@ -364,7 +364,7 @@ def test_local_train_refuses_a_paper_size_model(capsys):
 
 
 def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, capsys):
-    code = main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
+    code = main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "4",
                  "--quiet", "--no-solver", "--activation-limit", "1f1b"])
     assert code == EXIT_OK
     captured = capsys.readouterr()
@@ -377,17 +377,17 @@ def test_a_published_profile_gets_its_bytes_so_memory_limits_bind(tmp_path, caps
     other["model"] = "someone-else-7B"
     unknown = tmp_path / "other.json"
     unknown.write_text(json.dumps(other))
-    assert main(["plan", "--costs", str(unknown), "--devices", "4", "--microbatches", "8", "--quiet",
+    assert main(["plan", "--effort", "0.05", "--costs", str(unknown), "--devices", "4", "--microbatches", "8", "--quiet",
                  "--activation-limit", "1f1b"]) == EXIT_ERROR  # an argument the table cannot take (ArgumentError)
     err = capsys.readouterr().err
     assert "--hidden-size" in err and "no activation_bytes" in err
-    assert main(["plan", "--costs", str(unknown), "--hidden-size", "2880", "--devices", "4", "--microbatches", "8",
+    assert main(["plan", "--effort", "0.05", "--costs", str(unknown), "--hidden-size", "2880", "--devices", "4", "--microbatches", "8",
                  "--time-limit", "4", "--quiet", "--no-solver", "--activation-limit", "1f1b"]) == EXIT_OK
     assert "hidden size 2880" in capsys.readouterr().err
     # --hidden-size on a cost table that carries its own bytes is a mistake, not ignored
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"layers": [{"name": f"l{i}", "forward_ms": 1, "backward_ms": 2} for i in range(4)]}))
-    assert main(["plan", "--costs", str(table), "--hidden-size", "64", "--devices", "2", "--quiet"]) == EXIT_ERROR
+    assert main(["plan", "--effort", "0.05", "--costs", str(table), "--hidden-size", "64", "--devices", "2", "--quiet"]) == EXIT_ERROR
     assert "not a profile" in capsys.readouterr().err
 
 
@@ -405,7 +405,7 @@ def test_bad_option_values_are_usage_errors_and_dump_takes_a_plan(tmp_path, caps
         assert exit_info.value.code == EXIT_USAGE
         assert "must be" in capsys.readouterr().err
     saved = tmp_path / "plan.json"
-    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
                  "--activation-limit", "none", "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
     capsys.readouterr()
     assert main(["dump", "--model", "gemma", "--plan", str(saved), "--microbatches", "2", "--level", "plan"]) == EXIT_OK
@@ -472,7 +472,7 @@ def test_bad_model_factories_and_config_overrides_are_errors_not_tracebacks(tmp_
     assert main(dump + ["facts:good"]) == EXIT_OK
     assert capsys.readouterr().out.startswith("graph model=")
     # a factory makes its own batch: simulating a plan made for other microbatches says so
-    assert main(["plan", "--model", "facts:small", "--microbatches", "2", "--cluster", "cpux2", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--model", "facts:small", "--microbatches", "2", "--cluster", "cpux2", "--time-limit", "2",
                  "--quiet", "--no-solver", "-o", "small.json"]) == EXIT_OK
     capsys.readouterr()
     assert main(["simulate", "small.json", "--model", "facts:good"]) == EXIT_OK
@@ -500,7 +500,7 @@ def test_outputs_are_checked_before_the_work_and_ignored_options_are_refused(tmp
     assert "--size, --set apply to --model only" in _error(
         ["plan", "--costs", str(PROFILE), "--set", "num_layers=2", "--size", "paper"], capsys)
     with pytest.raises(SystemExit) as info:
-        main(["plan", "--costs", str(PROFILE), "--min-gain", "500"])
+        main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--min-gain", "500"])
     assert info.value.code == EXIT_USAGE and "percentage in [0, 100)" in capsys.readouterr().err
     # the plan's devices are train's processes; another count is a mistake, not ignored
     from octopipe import ClusterSpec, CostTable, LayerCost, schedules
@@ -524,7 +524,7 @@ def test_simulate_prices_a_text_plan_at_its_own_microbatch_count_and_validates_i
     # found by a bad-input sweep: a text plan of 2 microbatches simulated on --model costs of
     # 16, and a hand-edited plan with overlapping stages simulated without complaint
     saved = tmp_path / "plan.json"
-    assert main(["plan", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--cluster", "cpux2", "--microbatches", "2", "--time-limit", "2",
                  "--quiet", "--no-solver", "-o", str(saved)]) == EXIT_OK
     capsys.readouterr()
     assert main(["simulate", str(saved)]) == EXIT_OK
@@ -608,7 +608,7 @@ def test_plan_time_limit_bounds_tracing_and_costing_and_the_search_gets_the_rest
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(octopipe.api, "plan", recording_plan)
-    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "30",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "30",
                  "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
     found = re.search(r"traced and costed gemma in (\d+\.\d)s; the search gets the (\d+\.\d)s left of --time-limit 30\n",
@@ -618,7 +618,7 @@ def test_plan_time_limit_bounds_tracing_and_costing_and_the_search_gets_the_rest
     assert spent > 0 and limits == [pytest.approx(30 - spent, abs=0.1)] and abs(left - limits[0]) <= 0.05
 
     # a limit that tracing alone overruns still leaves the search a tenth of it, and says so
-    assert main(["plan", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "0.05",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--devices", "2", "--microbatches", "4", "--time-limit", "0.05",
                  "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
     assert limits[1] == pytest.approx(0.005)
@@ -682,7 +682,7 @@ def test_train_candidates_needs_a_search_on_local_processes(capsys):
 
 def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, capsys):
     plan_path = tmp_path / "p.json"
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "3",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "3",
                  "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
     out = capsys.readouterr().out
     written = sorted(tmp_path.glob("p.runner-up-*.json"))
@@ -693,7 +693,7 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
         planned = float(re.search(r"planned: ([\d.]+) ms on the saved costs and cluster \(the same\)",
                                   capsys.readouterr().out).group(1))
         assert planned == pytest.approx(ms, abs=0.06)
-    assert main(["plan", "--costs", str(PROFILE), "--runners-up"]) == EXIT_ERROR
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--runners-up"]) == EXIT_ERROR
     assert "give -o PLAN" in capsys.readouterr().err
     # planned again to the same file: the earlier run's runners-up go, none is taken for this plan's
     stale = tmp_path / "p.runner-up-9.json"
@@ -701,7 +701,7 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
     keep = tmp_path / "p.runner-up-x.json"  # not a name the planner writes
     keep.write_text("{}")
     (tmp_path / "p.runner-up-7.json").mkdir()  # nor a folder
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "1", "--microbatches", "8", "--time-limit", "3",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "1", "--microbatches", "8", "--time-limit", "3",
                  "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "no runner-up" in out and f"removed {stale}" in out
@@ -710,7 +710,7 @@ def test_plan_writes_its_runners_up_beside_the_plan_for_a_cluster(tmp_path, caps
 
 def test_runners_up_keep_the_microbatch_size_they_were_planned_for(tmp_path, capsys):
     plan_path = tmp_path / "p.json"
-    assert main(["plan", "--model", "llama", "--batch-size", "16", "--cluster", "cpux4", "--microbatches", "8",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--batch-size", "16", "--cluster", "cpux4", "--microbatches", "8",
                  "--time-limit", "3", "--quiet", "--no-solver", "-o", str(plan_path), "--runners-up"]) == EXIT_OK
     runners_up = sorted(tmp_path.glob("p.runner-up-*.json"))
     assert runners_up
@@ -764,7 +764,7 @@ def test_train_with_data_parallel_replicas(capsys):
 
 def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--microbatches",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--microbatches",
                  "8", "--time-limit", "2", "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     out = capsys.readouterr().out
     assert "one of 2 replicas" in out and "no param_bytes" in out  # a published profile: times, no weights
@@ -777,7 +777,7 @@ def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, cap
                  "--torchrun"]) == EXIT_INVALID_PLAN
     assert "but --model llama has 8" in capsys.readouterr().err
     llama_plan = tmp_path / "llama.json"
-    assert main(["plan", "--model", "llama", "--cluster", "h100x16", "--data-parallel", "2", "--microbatches", "8",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--cluster", "h100x16", "--data-parallel", "2", "--microbatches", "8",
                  "--time-limit", "2", "--quiet", "--no-solver", "-o", str(llama_plan)]) == EXIT_OK
     devices = json.loads(llama_plan.read_text())["num_devices"]
     capsys.readouterr()
@@ -799,13 +799,13 @@ def test_a_cluster_spec_of_one_replica_plans_that_replica_and_is_refused_where_t
     spec = tmp_path / "dp2.json"
     spec.write_text(json.dumps({"num_devices": 4, "data_parallel": 2, "name": "dp2file", "backend": "gloo"}))
     plan_path = tmp_path / "p.json"
-    assert main(["plan", "--model", "llama", "--cluster", str(spec), "--microbatches", "4", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--cluster", str(spec), "--microbatches", "4", "--time-limit", "2",
                  "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     assert json.loads(plan_path.read_text())["planned_with"]["cluster"]["data_parallel"] == 2
     capsys.readouterr()
     # a --data-parallel beside it, 1 included, was ignored or clashed with a message naming no option
     for replicas in ("1", "2", "auto"):
-        assert main(["plan", "--model", "llama", "--cluster", str(spec), "--data-parallel", replicas]) == EXIT_ERROR
+        assert main(["plan", "--effort", "0.05", "--model", "llama", "--cluster", str(spec), "--data-parallel", replicas]) == EXIT_ERROR
         assert f"--cluster {spec} already describes one of 2 replicas" in capsys.readouterr().err
     # train sizes the cluster by --nprocs and splits it by --data-parallel: it ran one replica
     # priced as one of two, or clashed with the plan's replicas
@@ -829,7 +829,7 @@ def test_more_devices_than_layers_names_the_options_to_change(capsys, monkeypatc
     err = capsys.readouterr().err
     assert "9 devices per replica (2 replicas) but the model has only 8 layers" in err
     assert "a cluster of at most 16 devices: train --nprocs, plan --cluster" in err
-    assert main(["plan", "--model", "llama", "--devices", "9", "--cluster", "h100x16"]) == EXIT_ERROR
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--devices", "9", "--cluster", "h100x16"]) == EXIT_ERROR
     assert "plan --devices <= 8, train --nprocs <= 8" in capsys.readouterr().err
     # train --profile says so before measuring anything
     from octopipe import bench
@@ -838,7 +838,7 @@ def test_more_devices_than_layers_names_the_options_to_change(capsys, monkeypatc
     assert main(["train", "--model", "llama", "--nprocs", "9", "--profile", "--quiet"]) == EXIT_ERROR
     assert "9 devices but the model has only 8 layers" in capsys.readouterr().err
     # plan --devices does not go with --data-parallel: not suggested there
-    assert main(["plan", "--model", "llama", "--cluster", "cpux18", "--data-parallel", "2", "--microbatches",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--cluster", "cpux18", "--data-parallel", "2", "--microbatches",
                  "4"]) == EXIT_ERROR
     assert "--devices" not in (err := capsys.readouterr().err) and "9 devices per replica" in err
 
@@ -884,7 +884,7 @@ def test_show_draws_every_plan_even_with_the_same_file_name(tmp_path, monkeypatc
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
         paths.append(str(tmp_path / folder / "plan.json"))
-        assert main(["plan", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "1",
+        assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "4", "--microbatches", "8", "--time-limit", "1",
                      "--quiet", "--no-solver", "-o", paths[-1]]) == EXIT_OK
     drawn = []
     monkeypatch.setattr(octopipe.viz, "draw_comparison", lambda results, *a, **k: drawn.append(list(results)))
@@ -894,7 +894,7 @@ def test_show_draws_every_plan_even_with_the_same_file_name(tmp_path, monkeypatc
 
 def test_train_torchrun_refuses_what_every_rank_would(tmp_path, capsys):
     plan_path = tmp_path / "p.json"
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
                  "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     capsys.readouterr()
     for extra, message, code in ((["--schedule", "nonsense"], "not a baseline schedule", EXIT_ERROR),
@@ -920,7 +920,7 @@ def test_train_torchrun_refuses_what_every_rank_would(tmp_path, capsys):
 
 
 def test_plan_devices_with_a_fixed_replica_count_says_what_to_give(capsys):
-    assert main(["plan", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--devices", "4",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--devices", "4",
                  "--quiet"]) == EXIT_ERROR
     assert "each replica gets the cluster's devices / 2" in capsys.readouterr().err
 
@@ -944,7 +944,7 @@ def test_simulate_with_the_model_prices_a_data_parallel_plan_as_it_was_planned(t
 
 def test_a_plan_for_another_model_names_the_plan_and_the_model(tmp_path, capsys):
     plan_path = tmp_path / "p.json"
-    assert main(["plan", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
+    assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--devices", "2", "--microbatches", "4", "--time-limit", "1",
                  "--quiet", "--no-solver", "-o", str(plan_path)]) == EXIT_OK
     capsys.readouterr()
     # the same mismatch is the same exit code in every command (simulate said 1, dump and train 4)
@@ -968,19 +968,19 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
     assert "has no 'target', and training needs one" in _error(["train", "--model", "facts:no_target", "--steps", "1"],
                                                                capsys)
     # train --plan trains the batch the plan was costed on (microbatches of 8 here), not the default
-    assert main(["plan", "--model", "llama", "--batch-size", "32", "--microbatches", "4", "--cluster", "cpux2",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--batch-size", "32", "--microbatches", "4", "--cluster", "cpux2",
                  "--time-limit", "5", "--quiet", "--no-solver", "-o", "p32.json"]) == EXIT_OK
     capsys.readouterr()
     assert main(["train", "--model", "llama", "--plan", "p32.json", "--torchrun"]) == EXIT_OK
     assert "--batch-size 32" in capsys.readouterr().out
     # dump --plan takes the plan's devices (a 3-device plan on the default 2-device cluster)
-    assert main(["plan", "--model", "llama", "--devices", "3", "--microbatches", "3", "--cluster", "cpux2",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--devices", "3", "--microbatches", "3", "--cluster", "cpux2",
                  "--time-limit", "5", "--quiet", "--no-solver", "-o", "three.json"]) == EXIT_OK
     capsys.readouterr()
     assert main(["dump", "--model", "llama", "--plan", "three.json", "--level", "plan"]) == EXIT_OK
     assert "devices=3" in capsys.readouterr().out
     # another model's plan (same layer count) and another microbatch size are run, with a warning line each
-    assert main(["plan", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
                  "--quiet", "--no-solver", "-o", "gemma.json"]) == EXIT_OK
     capsys.readouterr()
     assert main(["dump", "--model", "llama", "--plan", "gemma.json", "--level", "plan"]) == EXIT_OK
@@ -1002,12 +1002,12 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
     raw["layers"][3]["kind"] = "Q"
     raw["kind_legend"]["Q"] = "a new kind of block"
     (tmp_path / "kind.json").write_text(json.dumps(raw))
-    assert main(["plan", "--costs", "kind.json", "--devices", "4", "--microbatches", "8", "--time-limit", "5",
+    assert main(["plan", "--effort", "0.05", "--costs", "kind.json", "--devices", "4", "--microbatches", "8", "--time-limit", "5",
                  "--quiet", "--no-solver"]) == EXIT_OK
     err = capsys.readouterr().err
     assert "no selective-recomputation estimates for layer kind(s) ['Q']" in err and err.startswith("warning: ")
     # a text-form plan says nothing of its cluster: simulate says which one it took
-    assert main(["plan", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
+    assert main(["plan", "--effort", "0.05", "--model", "gemma", "--microbatches", "4", "--cluster", "cpux2", "--time-limit", "5",
                  "--quiet", "--no-solver", "-o", "gemma.txt"]) == EXIT_OK
     capsys.readouterr()
     assert main(["simulate", "gemma.txt", "--model", "gemma"]) == EXIT_OK
@@ -1021,7 +1021,7 @@ def test_what_a_user_audit_found_is_fixed(tmp_path, monkeypatch, capsys):
 def test_profile_of_a_model_on_the_meta_device_is_bad_input(capsys):
     # a paper-size built-in is built on the meta device: nothing to time, and the user's to fix (exit 1,
     # not the "a worker failed" exit 5)
-    assert main(["plan", "--model", "llama", "--size", "paper", "--profile", "--devices", "4",
+    assert main(["plan", "--effort", "0.05", "--model", "llama", "--size", "paper", "--profile", "--devices", "4",
                  "--microbatches", "8", "--quiet"]) == EXIT_ERROR
     err = capsys.readouterr().err
     assert "--profile" in err and "meta device" in err and "drop --profile" in err
@@ -1110,7 +1110,7 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
     # found by fuzzing: local train's warm-up step advanced the stages' dropout streams, and the
     # ranks seeded them from whatever the factory seeded last, so local step k was torchrun's k+1
     _factories_here(tmp_path, monkeypatch)
-    assert main(["plan", "--model", "more:dropout", "--cluster", "cpux2", "--microbatches", "4", "--time-limit", "2",
+    assert main(["plan", "--effort", "0.05", "--model", "more:dropout", "--cluster", "cpux2", "--microbatches", "4", "--time-limit", "2",
                  "--quiet", "-o", "p.json"]) == EXIT_OK
     words = ["train", "--model", "more:dropout", "--plan", "p.json", "--microbatches", "4", "--steps", "3",
              "--lr", "0.5", "--quiet"]
