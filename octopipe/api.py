@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1007,10 +1007,10 @@ def compile(
     if shard_optimizer and optimizer is None and data_parallel > 1:
         # the default state is mixed-precision Adam's: its own part sharded; a state given as
         # bytes is taken as it is, with the sharded step's broadcast priced
-        memory = (MemoryModel(MemoryModel.for_optimizer("mixed-adam", data_parallel).state_bytes_per_param_byte,
-                              memory.weight_memory_fraction, data_parallel)
-                  if memory.state_bytes_per_param_byte == MemoryModel().state_bytes_per_param_byte
-                  else MemoryModel(memory.state_bytes_per_param_byte, memory.weight_memory_fraction, data_parallel))
+        state = memory.state_bytes_per_param_byte
+        if state == MemoryModel().state_bytes_per_param_byte:
+            state = MemoryModel.for_optimizer("mixed-adam", data_parallel).state_bytes_per_param_byte
+        memory = replace(memory, state_bytes_per_param_byte=state, shards=data_parallel)
 
     def timed(name: str, function: Callable[[], Any]) -> Any:
         clock = time.perf_counter()
@@ -1451,7 +1451,7 @@ def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: Memo
         held = sum(p.numel() * p.element_size() for p in weights)
         state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
                                           weight_bytes=held / count)
-    return MemoryModel(state.state_bytes_per_param_byte, memory.weight_memory_fraction, shards)
+    return replace(memory, state_bytes_per_param_byte=state.state_bytes_per_param_byte, shards=shards)
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,

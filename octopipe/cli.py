@@ -564,13 +564,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = dict(time_limit_s=search_s,
                    memory_limit_bytes=args.memory_limit * 2**30 if args.memory_limit is not None else None,
                    activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
-                   solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute,
-                   memory=_memory_model(args.optimizer, args.optimizer_shards, graph, costs))
-    if args.shard_optimizer:
-        if replicas == "auto":  # each count's replicas hold their share
-            options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs)
-        else:
-            options["memory"] = _memory_model(args.optimizer, cluster.data_parallel, graph, costs)
+                   solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
+    if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
+        options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs)
+    else:
+        shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
+        options["memory"] = _memory_model(args.optimizer, shards, graph, costs)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)

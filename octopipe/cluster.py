@@ -155,22 +155,22 @@ class ClusterSpec:
         """A ring all-reduce of `num_bytes` of one device's gradients over its `data_parallel`
         copies (neighbouring devices; inside a node where they fit in one): 2 (d - 1) / d of the
         bytes each way and 2 (d - 1) latencies; 0 without copies."""
-        copies = self.data_parallel
-        if copies <= 1:
-            return 0.0
-        bandwidth = self.data_parallel_bandwidth or self.intra_node_bandwidth
-        steps = 2 * (copies - 1)
-        return (steps * self.latency_s + steps / copies * num_bytes / bandwidth) * 1e3
+        return self._ring_ms(2, num_bytes)
 
     def all_gather_ms(self, num_bytes: float) -> float:
         """A ring all-gather over the `data_parallel` copies of a device where each holds 1/d of
         `num_bytes`: (d - 1) / d of the bytes and d - 1 latencies; 0 without copies (what the
         runtime's broadcast of each copy's share after a sharded optimizer step moves)."""
+        return self._ring_ms(1, num_bytes)
+
+    def _ring_ms(self, passes: int, num_bytes: float) -> float:
+        """`passes` trips around the ring of the `data_parallel` copies (2 for an all-reduce, 1
+        for an all-gather): passes x (d - 1) steps, each a latency and 1/d of the bytes."""
         copies = self.data_parallel
         if copies <= 1:
             return 0.0
         bandwidth = self.data_parallel_bandwidth or self.intra_node_bandwidth
-        steps = copies - 1
+        steps = passes * (copies - 1)
         return (steps * self.latency_s + steps / copies * num_bytes / bandwidth) * 1e3
 
     # -- files ------------------------------------------------------------------------------

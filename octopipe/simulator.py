@@ -881,8 +881,8 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
     result = []
     for device in range(plan.num_devices):
         queue = sorted((ready[stage], stage) for stage in plan.stages_of(device) if bucket[stage] > 0)
+        end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
         if across[device] > 0:
-            end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
             queue.append((max(end_of_backward, reduced_until[device]), -1))
         free = 0.0
         held = 0.0
@@ -894,7 +894,6 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))
         if sharded and held > 0:
-            end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
             start = max(free, end_of_backward)
             result.append(Reduction(SHARD_BROADCAST, (device,), start,
                                     start + cluster.all_gather_ms(held) + cluster.message_overhead_ms))

@@ -497,20 +497,19 @@ class Engine:
         other copies of this pipeline rank (a flat broadcast per owner and dtype)."""
         if self.replicas.size == 1 or not dist.is_initialized():
             return
+        groups: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        for name, param in self._params.items():
+            if param.requires_grad:  # a frozen one never changes
+                groups.setdefault((self.shard_owners[name], param.dtype), []).append(param)
         started = []
         me = self.replicas.replica
-        for replica in range(self.replicas.size):
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for name, param in self._params.items():
-                if self.shard_owners[name] == replica and param.requires_grad:  # a frozen one never changes
-                    by_dtype.setdefault(param.dtype, []).append(param)
-            for dtype in sorted(by_dtype, key=str):
-                params = by_dtype[dtype]
-                flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
-                        torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
-                src = self.replicas.stage_rank * self.replicas.size + replica
-                what = f"rank {self.rank}: optimizer step: the parameters replica {replica} updated (shard_optimizer)"
-                started.append((self.transport.broadcast(flat, src, what, self._data_group), params, flat, replica))
+        for replica, dtype in sorted(groups, key=lambda key: (key[0], str(key[1]))):
+            params = groups[replica, dtype]
+            flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
+                    torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
+            src = self.replicas.stage_rank * self.replicas.size + replica
+            what = f"rank {self.rank}: optimizer step: the parameters replica {replica} updated (shard_optimizer)"
+            started.append((self.transport.broadcast(flat, src, what, self._data_group), params, flat, replica))
         for pending, params, flat, replica in started:
             self.transport.finish(pending)
             if replica != me:
