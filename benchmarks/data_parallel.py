@@ -14,8 +14,9 @@ would make without a planner: all pipeline (D = 1), and the best baseline at whi
 suits it best (a user who tries every count with every schedule; `*` marks OctoPipe's count).
 `--shard-optimizer`: every job shards mixed-precision Adam's state over its replicas (ZeRO-1,
 Megatron's distributed optimizer, `compile(shard_optimizer=True)`), baselines included: each
-count's devices hold 1/D of the optimizer's own state, and each device's updated share goes to
-its copies after the step (priced as an all-gather, in the all-reduce column).
+count's devices hold 1/D of the optimizer's own state, the gradients are reduce-scattered onto
+their shares (half an all-reduce) and each device's updated share goes to its copies after the
+step (priced as an all-gather; both in the all-reduce column).
 Usage:
 
     python benchmarks/data_parallel.py [--time-limit 20] [--models deepseek,gemma] [--microbatches 64]
@@ -86,8 +87,8 @@ def main() -> None:
     tables = analytic_tables(cluster, args.models.split(",") if args.models else None, accumulation=True)
     print(f"OctoPipe's replica count vs fixed ones: 16 H100s (nodes of 8), {args.microbatches} microbatches in "
           f"all, {args.time_limit:.0f}s of planning per model; step = one replica's iteration (they run side by "
-          "side), all-reduce included" + ("; the optimizer's state sharded over the replicas (ZeRO-1), its "
-                                         "broadcast after the step priced" if args.shard_optimizer else ""))
+          "side), all-reduce included" + ("; the optimizer's state sharded over the replicas (ZeRO-1), the "
+                                         "gradients' reduce-scatter and the shares' broadcast priced" if args.shard_optimizer else ""))
     print(f"{'model':<24}{'D':>4} x {'dev':<4}{'mb':>5}  {'best baseline (fits memory)':<28}{'ms':>9}"
           f" {'ours ms':>8} {'allred ms':>9}{'speedup':>9}")
     print("-" * 104)

@@ -275,8 +275,9 @@ def plan(
                      "includes summing each stage's gradients over its copies once its backward is done (a device's "
                      f"take up to {final.data_parallel_ms:.2f} ms in the chosen plan; the lower bounds leave them out)"
                      + (f"; with the optimizer state sharded over the {cluster.data_parallel} copies "
-                        f"(MemoryModel.shards = {memory.shards}), each device's copies then send each other their "
-                        "updated shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
+                        f"(MemoryModel.shards = {memory.shards}), the sums are reduce-scattered onto each share's "
+                        "owner (half an all-reduce) and each device's copies then send each other their updated "
+                        "shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
     if cluster.step_overhead_ms:
@@ -961,8 +962,9 @@ def compile(
     (ZeRO-1, Megatron's distributed optimizer; exact: see `runtime/engine.py`): the memory limit
     counts 1/data_parallel of the optimizer's own state per device (`optimizer`'s, else the
     default mixed-precision Adam's; a `memory` with its own state bytes is taken as given) and
-    the simulation prices the broadcast of each replica's updated share after the step
-    (`MemoryModel.shards`)."""
+    the simulation prices what the runtime moves (`MemoryModel.shards`): each share's gradients
+    reduced onto its owner (a reduce-scatter's bytes, not an all-reduce's) and each replica's
+    updated share broadcast to the others after the step."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -1125,7 +1127,7 @@ class DataParallelResult:
 
     def __str__(self) -> str:
         sharded = any(row.result is not None and row.result.simulation.memory.shards > 1 for row in self.tried)
-        label = "all-reduce + share broadcast ms" if sharded else "all-reduce ms"
+        label = "reduce-scatter + share broadcast ms" if sharded else "all-reduce ms"
         lines = [f"replicas x devices  microbatches each  step ms  {label}", "-" * (48 + len(label))]
         for row in self.tried:
             mark = "*" if row.data_parallel == self.data_parallel else " "

@@ -1271,8 +1271,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-shards", type=_positive_int, default=1, metavar="N",
                    help="the optimizer's own state split over N data-parallel replicas (ZeRO-1, Megatron's "
                         "distributed optimizer) where the job that runs the plan shards it (default 1); with "
-                        "--data-parallel the broadcast of each share after the step is priced too, as OctoPipe's "
-                        "runtime runs it")
+                        "--data-parallel the gradients are priced reduce-scattered onto their shares and each share "
+                        "broadcast after the step, as OctoPipe's runtime runs it")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the optimizer's own state split over the --data-parallel replicas, as train "
                         "--shard-optimizer runs it (ZeRO-1); with --data-parallel auto, each count's replicas hold "
@@ -1336,8 +1336,9 @@ def _parser() -> argparse.ArgumentParser:
                         "else 1; --nprocs counts all ranks: default 2 x D, or the plan's devices x D)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="split the optimizer's state over the --data-parallel replicas (ZeRO-1, Megatron's "
-                        "distributed optimizer): each steps its share and sends it to the others; the same updates, "
-                        "1/D of the state per rank, and the plan's memory limit counts that")
+                        "distributed optimizer): each gets the summed gradients of its share only, steps it and "
+                        "sends it to the others; the same updates, 1/D of the state per rank, half the gradient "
+                        "traffic of an all-reduce, and the plan's memory limit counts that")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

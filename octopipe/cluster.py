@@ -163,9 +163,15 @@ class ClusterSpec:
         runtime's broadcast of each copy's share after a sharded optimizer step moves)."""
         return self._ring_ms(1, num_bytes)
 
+    def reduce_scatter_ms(self, num_bytes: float) -> float:
+        """A ring reduce-scatter of `num_bytes` of one device's gradients over its `data_parallel`
+        copies, each summing 1/d of them: the all-gather's steps and bytes, half an all-reduce
+        (what the runtime's reduce of each share onto its owner moves with a sharded optimizer)."""
+        return self._ring_ms(1, num_bytes)
+
     def _ring_ms(self, passes: int, num_bytes: float) -> float:
         """`passes` trips around the ring of the `data_parallel` copies (2 for an all-reduce, 1
-        for an all-gather): passes x (d - 1) steps, each a latency and 1/d of the bytes."""
+        for an all-gather or a reduce-scatter): passes x (d - 1) steps, each a latency and 1/d of the bytes."""
         copies = self.data_parallel
         if copies <= 1:
             return 0.0

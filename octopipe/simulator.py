@@ -29,6 +29,7 @@ its gradients with its D - 1 copies (`cluster.all_reduce_ms`) bucket by bucket, 
 issues them beside the backward: a stage's parameters once its last B/W on the device has run,
 the parameters tied across devices after their tied all-reduce; one all-reduce at a time per
 device. With the optimizer's state sharded over the copies (`MemoryModel.shards` > 1) each
+bucket is summed onto its owners only (`cluster.reduce_scatter_ms`, half the all-reduce) and each
 device then sends its copies their updated shares (`cluster.all_gather_ms` of its parameters).
 The iteration ends when the last has (`Reduction`s named "data-parallel ...").
 
@@ -94,8 +95,9 @@ class MemoryModel:
     shards: int = 1
     """The data-parallel replicas the optimizer's state and step are split over (ZeRO-1;
     `for_optimizer`'s `shards`). With replicas (a `ClusterSpec.replica`), the simulator prices
-    what OctoPipe's runtime then does after the step: each replica's updated share sent to the
-    other copies (an all-gather's bytes, "data-parallel shard broadcast")."""
+    what OctoPipe's runtime then does: the gradients summed onto their share's owner (a
+    reduce-scatter's bytes, half an all-reduce's) and after the step each replica's updated
+    share sent to the other copies (an all-gather's bytes, "data-parallel shard broadcast")."""
 
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
@@ -448,7 +450,8 @@ class SimResult:
                              f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
             elif reduction.name.startswith("data-parallel"):
                 what = reduction.name.removeprefix("data-parallel ")
-                lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients ({what}) all-reduced over its "
+                how = "reduce-scattered" if self.memory.shards > 1 else "all-reduced"
+                lines.append(f"data-parallel: device {reduction.devices[0]}'s gradients ({what}) {how} over its "
                              f"{self.cluster.data_parallel} copies {reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
             else:
                 lines.append(f"tied {reduction.name}: all-reduce on devices {list(reduction.devices)} "
@@ -852,8 +855,8 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
     them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
     two of the device's stages share goes with the later one), then the parameters tied across
     devices after their tied all-reduce; one at a time per device, in the order they are ready.
-    `sharded` (the optimizer's state split over the copies): then, once the device's last has
-    ended (and its optimizer stepped, which is not priced), each copy's updated share of the
+    `sharded` (the optimizer's state split over the copies): each bucket is reduced onto its
+    owning copies (a reduce-scatter), and once the device's last has ended (and its optimizer stepped, which is not priced), each copy's updated share of the
     device's parameters goes to the others, priced as an all-gather of them."""
     num_micro = plan.num_microbatches
     ready = [0.0] * plan.num_stages
@@ -890,7 +893,8 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
             size = bucket[stage] if stage >= 0 else across[device]
             held += size
             start = max(at, free)
-            free = start + cluster.all_reduce_ms(size) + cluster.message_overhead_ms
+            free = start + (cluster.reduce_scatter_ms(size) if sharded else cluster.all_reduce_ms(size)) \
+                + cluster.message_overhead_ms
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))
         if sharded and held > 0:

@@ -138,6 +138,12 @@ class Transport:
         """Start a sum all-reduce; finish it with `finish`."""
         return Pending([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)], [tensor], -1, what)
 
+    def reduce(self, tensor: torch.Tensor, dst: int, what: str, group: Any = None) -> Any:
+        """Start a sum reduce of `tensor` onto global rank `dst` (elsewhere it ends partly summed);
+        finish it with `finish`."""
+        return Pending([dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)], [tensor], dst,
+                       what)
+
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, group: Any = None) -> Any:
         """Start a broadcast of `tensor` from global rank `src`; finish it with `finish`."""
         return Pending([dist.broadcast(tensor, src=src, group=group, async_op=True)], [tensor], src, what)

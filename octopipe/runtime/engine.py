@@ -45,15 +45,20 @@ instruction on the rank has run, so it overlaps the rest of the backward; the pa
 across ranks after their tied all-reduce, at `step`. The engine starts by broadcasting replica 0's parameters and
 buffers to the others, as DDP does.
 
-Sharded optimizer state (`shard_optimizer=True`, ZeRO stage 1, Megatron's distributed optimizer,
-as torch's `ZeroRedundancyOptimizer` does it): the D copies of a pipeline rank split its
+Sharded optimizer state (`shard_optimizer=True`, ZeRO stage 1, with the gradient reduction of
+Megatron's distributed optimizer): the D copies of a pipeline rank split its
 parameters between them (`shard_owners`: whole parameters, the largest first to the replica
 holding the fewest elements), each builds its optimizer over its own share only
 (`optimizer_parameters`), so it holds about 1/D of the optimizer's state, and every
 `optimizer.step()` ends (a post-step hook) by broadcasting each share's updated values from its
-owner to the other copies. Gradients are all-reduced as without it, so the updates, and the
-whole run, are those of the unsharded optimizer, bit for bit. Every copy must step its optimizer
-each time (the broadcast is collective over the D copies).
+owner to the other copies. Each bucket's gradients are summed onto their owner only (a flat
+reduce per owner and dtype: a reduce-scatter's bytes, half an all-reduce's, as Megatron's
+distributed optimizer moves them), so after `step` a copy holds the gradients of its own share and
+None for the others'; `clip_grad_norm_` gathers the per-parameter terms of the norm and totals them
+in the unsharded order. With 2 replicas (a sum of two is the same in any order) the updates, and
+the whole run, are those of the unsharded optimizer bit for bit; with more, to the rounding of the
+summation order. Every copy must step its optimizer each time (the broadcast is collective over
+the D copies).
 
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
@@ -596,16 +601,35 @@ class Engine:
             return float("inf")
         norm_type = float(norm_type)
         me = self.replicas.stage_rank
-        counted = [param.grad for name, param in self._params.items()
-                   if param.grad is not None and me == min(self._tied_ranks.get(name, (me,)))]
-        if norm_type == float("inf"):
-            local = max((grad.detach().abs().max().double() for grad in counted), default=None)
+        infinite = norm_type == float("inf")
+        # each parameter's term (|g|_inf, or |g|_p ** p), in parameter order; a tied one counted
+        # on the lowest rank holding it
+        terms: list[Tensor | None] = [
+            None if param.grad is None or me != min(self._tied_ranks.get(name, (me,))) else
+            param.grad.detach().abs().max().double() if infinite else
+            torch.linalg.vector_norm(param.grad.detach().double(), norm_type) ** norm_type
+            for name, param in self._params.items()]
+        if self.shard_optimizer and self.replicas.size > 1 and dist.is_initialized():
+            # each gradient is on its owner only: gather the terms over the copies (every entry
+            # is one replica's term and zeros elsewhere, so the sum is exact) and total them in
+            # the same order as an unsharded engine, so the norm is its norm bit for bit
+            gathered = torch.zeros(len(terms), dtype=torch.float64, device=self.device)
+            for index, term in enumerate(terms):
+                if term is not None:
+                    gathered[index] = term
+            self.transport.finish(self.transport.all_reduce(
+                gathered, f"rank {self.rank}: clip_grad_norm_: the norm's terms over the replicas (shard_optimizer)",
+                self._data_group))
+            terms = list(gathered.unbind())  # zeros where no replica had a term: exact in a sum or max
+        if infinite:
+            local = max((term.clone() for term in terms if term is not None), default=None)
             total = torch.zeros((), dtype=torch.float64, device=self.device) if local is None else local
             reduce_op = dist.ReduceOp.MAX
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for grad in counted:
-                total += torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
+            for term in terms:
+                if term is not None:
+                    total += term
             reduce_op = dist.ReduceOp.SUM
         if self.world_size > 1 and dist.is_initialized():  # over this replica's ranks (the others hold the same)
             dist.all_reduce(total, op=reduce_op, group=self._pipeline_group)
@@ -698,7 +722,7 @@ class Engine:
         timeline = self.timeline
         clock = time.perf_counter
         buckets = self._buckets if not self._evaluating else {}
-        self._bucket_work: list[tuple[Pending, list[Tensor], Tensor]] = []
+        self._bucket_work: list[tuple[Pending, list[str], Tensor, bool]] = []
         for position, instruction in enumerate(instructions):
             self._position = position
             try:
@@ -980,8 +1004,9 @@ class Engine:
             self._reduce_over_replicas(i)
         if self.loss_scaler is not None and not self._evaluating:
             self._unscale(i)
+        mine = self.replicas.replica
         for name, earlier in self._tied_earlier.items():
-            if earlier is not None:
+            if earlier is not None and (not self.shard_optimizer or self.shard_owners.get(name, mine) == mine):
                 param = self._params[name]
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)
         self._tied_earlier = {}
@@ -1063,26 +1088,42 @@ class Engine:
     def _reduce_bucket(self, names: Sequence[str], where: str) -> None:
         """Start summing these parameters' gradients over this pipeline rank's replicas (each
         microbatch already weighs 1/replicas): one flat all-reduce per gradient dtype, in name
-        order; `step` waits for it and copies the sums back."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        order; with `shard_optimizer`, one flat reduce per owning replica and dtype onto that
+        replica alone (the bytes of a reduce-scatter). `step` waits for them and copies the sums
+        back (sharded: the owner's; the others' gradients are dropped)."""
+        groups: dict[tuple[int, torch.dtype], list[str]] = {}
         for name in names:
             grad = self._params[name].grad
             if grad is not None:
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
-            self._bucket_work.append((self.transport.all_reduce(flat, where, self._data_group), grads, flat))
+                owner = self.shard_owners[name] if self.shard_optimizer else -1
+                groups.setdefault((owner, grad.dtype), []).append(name)
+        ranks = self.replicas.data_ranks(self.replicas.stage_rank)
+        for (owner, _), group in groups.items():
+            grads = [self._params[name].grad for name in group]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
+            if owner < 0:
+                pending = self.transport.all_reduce(flat, where, self._data_group)
+            else:
+                pending = self.transport.reduce(flat, ranks[owner], f"{where}: the gradients replica {owner} steps "
+                                                "(shard_optimizer)", self._data_group)
+            self._bucket_work.append((pending, group, flat, owner in (-1, self.replicas.replica)))
 
     def _reduce_over_replicas(self, i: Instruction) -> None:
         """Finish the step's sums over the replicas: the buckets started beside the backward,
         then the gradients none of them held (the parameters tied across ranks)."""
         bucketed = {name for names in self._buckets.values() for name in names}
         self._reduce_bucket([name for name in sorted(self._params) if name not in bucketed], self._where(i))
-        for pending, grads, flat in self._bucket_work:
+        for pending, names, flat, mine in self._bucket_work:
             self.transport.finish(pending)
             offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            for name in names:
+                param = self._params[name]
+                grad = param.grad
+                assert grad is not None
+                if mine:
+                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                else:  # another replica's share: only partly summed here, and its optimizer steps it
+                    param.grad = None
                 offset += grad.numel()
         self._bucket_work = []
 

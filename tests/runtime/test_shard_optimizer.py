@@ -1,8 +1,11 @@
 """compile(..., data_parallel=2, shard_optimizer=True): ZeRO-1 over two replicas of a 2-rank
-pipeline (4 gloo processes). Each copy of a pipeline rank steps AdamW over its share of the
-parameters only and broadcasts them after: the run is the unsharded one bit for bit (and plain
-AdamW on both batches together to float rounding), each copy holds about half the optimizer's
-state, and checkpoints move between sharded and unsharded runs."""
+pipeline (4 gloo processes). Each copy of a pipeline rank gets the summed gradients of its share
+of the parameters only (reduced onto it), steps AdamW over that share and broadcasts it after: the
+run is the unsharded one bit for bit (and plain AdamW on both batches together to float
+rounding), each copy holds about half the optimizer's state, and checkpoints move between sharded
+and unsharded runs."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -59,11 +62,13 @@ def _worker(rank, world_size, folder):
         losses = []
         for step in range(STEPS):
             losses.append(engine.step(*mine))
+            if step == 0:
+                grads = {n: None if p.grad is None else p.grad.clone() for n, p in engine.named_parameters()}
             engine.clip_grad_norm_(0.5)
             engine.optimizer_step()
             if step == STEPS - 2:
                 engine.save_checkpoint(f"{folder}/{'sharded' if shard else 'whole'}.pt")
-        runs[shard] = dict(losses=losses, params={n: p.detach().clone() for n, p in engine.named_parameters()},
+        runs[shard] = dict(losses=losses, grads=grads, params={n: p.detach().clone() for n, p in engine.named_parameters()},
                            state_numel=_state_numel(engine.optimizer),
                            state_names=sorted(octopipe.runtime.engine.named_optimizer_state(
                                engine.optimizer, dict(engine.named_parameters()))["state"]),
@@ -120,6 +125,11 @@ def test_sharded_optimizer_state_trains_as_the_whole_one_with_half_the_state(tmp
             assert torch.equal(resumed[True][name], value), (rank, name, "whole checkpoint, sharded optimizer")
         replica = rank % REPLICAS
         owned = sorted(name for name, owner in sharded["owners"].items() if owner == replica)
+        # after the step: the summed gradients of this copy's share, the unsharded ones bit for
+        # bit, and none of the other copy's (reduced onto it)
+        assert sorted(name for name, grad in sharded["grads"].items() if grad is not None) == owned, rank
+        for name in owned:
+            assert torch.equal(sharded["grads"][name], whole["grads"][name]), (rank, name)
         assert sharded["state_names"] == owned  # this copy holds its share's state only
         assert whole["state_names"] == sorted(whole["params"])
         assert refused is not None and "another replica's optimizer" in refused, rank
@@ -155,9 +165,21 @@ def test_shard_optimizer_arguments_and_memory():
     assert sharded.simulation.memory.state_bytes_per_param_byte == pytest.approx(6.0)
     assert max(sharded.simulation.peak_memory_bytes) < max(whole.simulation.peak_memory_bytes)
     assert sharded.shard_optimizer and not whole.shard_optimizer
-    # the sharded step's broadcast is priced: after each device's last all-reduce, an all-gather
-    # of its parameters over the copies
+    # the sharded step's gradients are reduce-scattered (half the all-reduce of the same plan
+    # unsharded, over 2 copies) and its broadcast is priced: after each device's last
+    # reduction, an all-gather of its parameters over the copies
     cluster = sharded.simulation.cluster
+    overhead = cluster.message_overhead_ms
+    unsharded = octopipe.simulate(sharded.plan, sharded.costs, cluster,
+                                  memory=dataclasses.replace(sharded.simulation.memory, shards=1))
+    reduced = {(r.name, r.devices): r.end_ms - r.start_ms for r in unsharded.reductions
+               if r.name.startswith("data-parallel")}
+    buckets = [r for r in sharded.simulation.reductions
+               if r.name.startswith("data-parallel") and r.name != "data-parallel shard broadcast"]
+    assert len(buckets) == len(reduced) > 0
+    for bucket in buckets:
+        assert bucket.end_ms - bucket.start_ms - overhead == pytest.approx((reduced[bucket.name, bucket.devices]
+                                                                             - overhead) / 2)
     for device in range(sharded.plan.num_devices):
         mine = [r for r in sharded.simulation.reductions if r.devices == (device,)]
         broadcast = mine[-1]
@@ -171,8 +193,9 @@ def test_shard_optimizer_arguments_and_memory():
         expected = cluster.all_gather_ms(held) + cluster.message_overhead_ms
         assert broadcast.end_ms - broadcast.start_ms == pytest.approx(expected)
     assert not any(r.name == "data-parallel shard broadcast" for r in whole.simulation.reductions)
-    assert sharded.simulation.iteration_ms > whole.simulation.iteration_ms
     assert cluster.all_gather_ms(2**20) == pytest.approx(cluster.all_reduce_ms(2**20) / 2)  # 2 copies
+    assert cluster.reduce_scatter_ms(2**20) == cluster.all_gather_ms(2**20)
+    assert "reduce-scattered over its 2 copies" in str(sharded.simulation)
     # without optimizer=, the default state (mixed-precision Adam's) is the one sharded
     default = octopipe.compile(_model(), "cpux4", shard_optimizer=True,
                                **{k: v for k, v in options.items() if k != "optimizer"})
