@@ -21,7 +21,7 @@ from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
-from octopipe.simulator import MemoryModel, SimResult, simulate
+from octopipe.simulator import OPTIMIZER_STEP, MemoryModel, SimResult, simulate
 from octopipe.solver import (
     WHOLE_ORDER_OPS,
     Refinement,
@@ -280,6 +280,12 @@ def plan(
                         "shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
+    steps = [r.end_ms - r.start_ms for r in final.reductions if r.name == OPTIMIZER_STEP]
+    if steps:
+        notes.append(f"optimizer step priced: each device's after its last gradient reduction, its weights' "
+                     f"{memory.step_bytes_per_param_byte:g} bytes of state traffic per byte at "
+                     f"{cluster.memory_bandwidth / 1e12:g} TB/s (up to {max(steps):.2f} ms in the chosen plan; the "
+                     "lower bounds leave it out)")
     if cluster.step_overhead_ms:
         notes.append(f"every plan's time includes {cluster.step_overhead_ms:.2f} ms a step of host time outside the ops "
                      "(the cluster's step_overhead_ms, measured on these processes); the lower bounds leave it out")
@@ -1439,21 +1445,23 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
     )
 
 
-def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel, shards: int = 1
-                      ) -> MemoryModel:
+def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel, shards: int = 1,
+                      price_step: bool = False) -> MemoryModel:
     """`memory` with the state of `optimizer` (its own part over `shards` replicas) for `model`'s
     own weights: the bytes per weight they are held in, against what `table` counts per weight
-    (its param_bytes, each tied parameter once, over the model's weight count)."""
+    (its param_bytes, each tied parameter once, over the model's weight count); `price_step`:
+    its step's traffic too (`MemoryModel.step_bytes_per_param_byte`)."""
     weights = list(model.parameters())  # (a parameter two modules share, once)
     count = sum(p.numel() for p in weights)
     counted = sum(table.params) - sum((len(tied.layers) - 1) * tied.bytes for tied in table.tied)
     if count == 0 or counted <= 0:  # no weights the table counts: nothing to size (the state is 0 bytes)
-        state = MemoryModel.for_optimizer(optimizer, shards)
+        state = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
     else:
         held = sum(p.numel() * p.element_size() for p in weights)
         state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
-                                          weight_bytes=held / count)
-    return replace(memory, state_bytes_per_param_byte=state.state_bytes_per_param_byte, shards=shards)
+                                          weight_bytes=held / count, price_step=price_step)
+    return replace(memory, state_bytes_per_param_byte=state.state_bytes_per_param_byte, shards=shards,
+                   step_bytes_per_param_byte=state.step_bytes_per_param_byte)
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,

@@ -566,10 +566,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    activation_limit=limit, seed=args.seed, effort=args.effort, quiet=args.quiet,
                    solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
-        options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs)
+        options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs,
+                                                        args.price_optimizer_step)
     else:
         shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
-        options["memory"] = _memory_model(args.optimizer, shards, graph, costs)
+        options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -853,16 +854,16 @@ OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
 import torch)."""
 
 
-def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any) -> Any:
+def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False) -> Any:
     """`plan --optimizer`'s memory model: for a --model (`graph`), sized from its own weights as
     `compile(optimizer=...)` and train size it; for a cost table, on weights held in the dtype it
-    counts."""
+    counts. `price_step`: with the step's traffic (`plan --price-optimizer-step`)."""
     from octopipe.api import _optimizer_memory
     from octopipe.simulator import MemoryModel
 
     if graph is not None and graph.module is not None:
-        return _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards)
-    return MemoryModel.for_optimizer(optimizer, shards)
+        return _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step)
+    return MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
 
 
 def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs: Any, target: Any,
@@ -1277,6 +1278,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the optimizer's own state split over the --data-parallel replicas, as train "
                         "--shard-optimizer runs it (ZeRO-1); with --data-parallel auto, each count's replicas hold "
                         "their share, so more replicas hold less each")
+    p.add_argument("--price-optimizer-step", action="store_true",
+                   help="price each device's optimizer step: its state's traffic (--optimizer's; 28 bytes a weight "
+                        "for Adam, 1/D of it sharded) at the cluster's memory bandwidth, after its last gradient "
+                        "reduction (off by default: the step is not priced)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--effort", type=_effort, default=1.0,
                    help="scale the search's work budget (tuner and CP-SAT; default 1): the plan depends on the input, "

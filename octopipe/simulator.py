@@ -33,6 +33,11 @@ bucket is summed onto its owners only (`cluster.reduce_scatter_ms`, half the all
 device then sends its copies their updated shares (`cluster.all_gather_ms` of its parameters).
 The iteration ends when the last has (`Reduction`s named "data-parallel ...").
 
+The optimizer step is priced only where the memory model says what it moves
+(`MemoryModel.step_bytes_per_param_byte` > 0): each device's step then starts after its last
+gradient reduction (tied or data-parallel) and takes its weights' bytes x that / the cluster's
+`memory_bandwidth` (a `Reduction` named "optimizer step"), before a sharded state's broadcast.
+
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
@@ -63,6 +68,11 @@ from octopipe.ir.plan import Op, OpKind, PipelinePlan, render_grid
 
 MIXED_ADAM_BYTES = (4.0, 12.0)
 """mixed-adam's bytes per weight: (the bf16 weight and gradient, the fp32 master copy and moments)."""
+
+MIXED_ADAM_STEP_BYTES = 28.0
+"""What mixed-adam's step reads and writes per weight: the bf16 gradient, the fp32 master copy
+and moments read (2 + 12), the master copy and moments written back and the bf16 weight cast
+from it (12 + 2)."""
 
 MIXED_PRECISION_ADAM_STATE = sum(MIXED_ADAM_BYTES) / 2
 """Bytes of weights + gradients + optimizer state per byte of bf16 weights: 2 (weight) + 2 (grad)
@@ -98,10 +108,17 @@ class MemoryModel:
     what OctoPipe's runtime then does: the gradients summed onto their share's owner (a
     reduce-scatter's bytes, half an all-reduce's) and after the step each replica's updated
     share sent to the other copies (an all-gather's bytes, "data-parallel shard broadcast")."""
+    step_bytes_per_param_byte: float = 0.0
+    """What the optimizer's step reads and writes on a device per byte of its weights as the
+    cost table counts them (0, the default: the step is not priced). With it, the simulator adds
+    each device's step ("optimizer step") after its last gradient reduction (and before a sharded
+    state's broadcast), streamed at `ClusterSpec.memory_bandwidth`: an elementwise update is
+    bound by memory traffic. `for_optimizer(..., price_step=True)` sets it (a sharded step moves
+    1/shards of it)."""
 
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
-                      weight_bytes: float | None = None) -> MemoryModel:
+                      weight_bytes: float | None = None, price_step: bool = False) -> MemoryModel:
         """The memory of a job stepping optimizer `name` (an OPTIMIZER_STATE key).
         `param_bytes_per_weight`: what the cost table's `param_bytes` count per weight (2, bf16,
         in the published profiles and analytic costs; the element size in a table profiled on the
@@ -109,7 +126,13 @@ class MemoryModel:
         the table's; 4 for fp32 weights; mixed-adam's are bf16). `shards`: the optimizer's own
         state split over that many data-parallel replicas (ZeRO-1, Megatron's distributed
         optimizer; OctoPipe's runtime does it with `compile(shard_optimizer=True)`). Mixed-adam
-        on a bf16 table is the default model (8 bytes per byte of weights); adamw there 4, sgd 2."""
+        on a bf16 table is the default model (8 bytes per byte of weights); adamw there 4, sgd 2.
+        `price_step`: also price the step's memory traffic (`step_bytes_per_param_byte`): a
+        weight, its gradient and k moments read and the weight and moments written, (3 + 2k) x
+        the weight's bytes (28 per weight for fp32 Adam; mixed-adam 28, `MIXED_ADAM_STEP_BYTES`),
+        over `shards` where each replica steps its share."""
+        if not isinstance(price_step, bool):
+            raise ArgumentError(f"MemoryModel.for_optimizer: price_step must be True or False, got {price_step!r:.40}")
         if name not in OPTIMIZER_STATE:
             raise ArgumentError(f"MemoryModel.for_optimizer: unknown optimizer {name!r:.40}; use one of "
                                 f"{', '.join(OPTIMIZER_STATE)} (or MemoryModel(state_bytes_per_param_byte=...) for "
@@ -124,10 +147,14 @@ class MemoryModel:
         moments = OPTIMIZER_STATE[name]
         if moments is None:
             held, own = MIXED_ADAM_BYTES
+            traffic = MIXED_ADAM_STEP_BYTES
         else:
             size = param_bytes_per_weight if weight_bytes is None else weight_bytes
             held, own = 2 * size, moments * size
-        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards)
+            traffic = (3 + 2 * moments) * size
+        step = traffic / shards / param_bytes_per_weight if price_step else 0.0
+        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards,
+                   step_bytes_per_param_byte=step)
 
     def check(self, where: str) -> None:
         """Raise ArgumentError unless both fields are sensible numbers."""
@@ -140,20 +167,27 @@ class MemoryModel:
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise ArgumentError(f"{where}: shards must be a positive integer (data-parallel replicas the optimizer "
                                 f"state is split over), got {self.shards!r:.40}")
+        step = self.step_bytes_per_param_byte
+        if not (is_finite_number(step) and step >= 0):
+            raise ArgumentError(f"{where}: step_bytes_per_param_byte must be a non-negative number of bytes per "
+                                f"byte of weights (0: the optimizer step is not priced), got {step!r:.40}")
 
     def to_dict(self) -> dict[str, float]:
         data = {"state_bytes_per_param_byte": self.state_bytes_per_param_byte,
                 "weight_memory_fraction": self.weight_memory_fraction}
         if self.shards != 1:
             data["shards"] = self.shards
+        if self.step_bytes_per_param_byte:
+            data["step_bytes_per_param_byte"] = self.step_bytes_per_param_byte
         return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> MemoryModel:
         if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction",
-                                                      "shards"}:
+                                                      "shards", "step_bytes_per_param_byte"}:
             raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte, "
-                                f"weight_memory_fraction and optionally shards, got {data!r:.120}")
+                                f"weight_memory_fraction and optionally shards and step_bytes_per_param_byte, got "
+                                f"{data!r:.120}")
         model = cls(**data)
         model.check(where)
         return model
@@ -277,7 +311,8 @@ class Transfer:
 @dataclass(frozen=True)
 class Reduction:
     """The all-reduce of a tied parameter's gradient among the devices holding its layers, or
-    (named "data-parallel") of one device's gradients over its data-parallel copies."""
+    (named "data-parallel") of one device's gradients over its data-parallel copies, or (named
+    "optimizer step") a device's priced optimizer step."""
 
     name: str
     devices: tuple[int, ...]
@@ -421,10 +456,12 @@ class SimResult:
                 "cat": "comm", "ts": transfer.start_ms * 1e3, "dur": (transfer.end_ms - transfer.start_ms) * 1e3,
             })
         for reduction in self.reductions:
+            step = reduction.name == OPTIMIZER_STEP
             for device in reduction.devices:
                 events.append({
-                    "ph": "X", "pid": device, "tid": 1, "name": f"all-reduce {reduction.name} {list(reduction.devices)}",
-                    "cat": "comm", "ts": reduction.start_ms * 1e3, "dur": (reduction.end_ms - reduction.start_ms) * 1e3,
+                    "ph": "X", "pid": device, "tid": 0 if step else 1,
+                    "name": OPTIMIZER_STEP if step else f"all-reduce {reduction.name} {list(reduction.devices)}",
+                    "cat": "compute" if step else "comm", "ts": reduction.start_ms * 1e3, "dur": (reduction.end_ms - reduction.start_ms) * 1e3,
                 })
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -444,7 +481,10 @@ class SimResult:
                 f"{self.peak_memory_bytes[device] / 2**30:>9.3f}"
             )
         for reduction in self.reductions:
-            if reduction.name == SHARD_BROADCAST:
+            if reduction.name == OPTIMIZER_STEP:
+                lines.append(f"optimizer step: device {reduction.devices[0]} {reduction.start_ms:.3f}-"
+                             f"{reduction.end_ms:.3f} ms (its state's traffic at the memory bandwidth)")
+            elif reduction.name == SHARD_BROADCAST:
                 lines.append(f"data-parallel: device {reduction.devices[0]}'s copies send each other their updated "
                              f"shares (the optimizer state is sharded over the {self.cluster.data_parallel} copies) "
                              f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
@@ -820,11 +860,21 @@ def _run(
                 reduced_until[d] = end
             iteration = max(iteration, end)
             reductions.append(Reduction(name, devices, start, end))
+    step_ms = None
+    if memory.step_bytes_per_param_byte > 0:  # each device's optimizer step, bound by memory traffic
+        weights = _static_bytes(sc.params, stage_device, tied, num_devices, MemoryModel(state_bytes_per_param_byte=1.0))
+        step_ms = [size * memory.step_bytes_per_param_byte / cluster.memory_bandwidth * 1e3 for size in weights]
     if cluster.data_parallel > 1:
         for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
-                                                memory.shards > 1):
+                                                memory.shards > 1, step_ms):
             iteration = max(iteration, reduction.end_ms)
             reductions.append(reduction)
+    elif step_ms is not None:
+        for device in range(num_devices):
+            if step_ms[device] > 0:
+                start = max(_last_gradient_end(device_ops[device], done, per_kind, num_micro), reduced_until[device])
+                reductions.append(Reduction(OPTIMIZER_STEP, (device,), start, start + step_ms[device]))
+                iteration = max(iteration, start + step_ms[device])
     iteration += cluster.step_overhead_ms  # host time outside the ops, once a step
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
@@ -847,16 +897,21 @@ def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, nu
 SHARD_BROADCAST = "data-parallel shard broadcast"
 """The `Reduction` name of a device's share broadcast after a sharded optimizer step."""
 
+OPTIMIZER_STEP = "optimizer step"
+"""The `Reduction` name of a device's optimizer step (`MemoryModel.step_bytes_per_param_byte`):
+compute on the device, not a message."""
+
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
                            done: list[float], per_kind: int, reduced_until: Sequence[float],
-                           sharded: bool = False) -> list[Reduction]:
+                           sharded: bool = False, step_ms: Sequence[float] | None = None) -> list[Reduction]:
     """Each device's gradient all-reduces over its data-parallel copies, as the runtime issues
     them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
     two of the device's stages share goes with the later one), then the parameters tied across
     devices after their tied all-reduce; one at a time per device, in the order they are ready.
     `sharded` (the optimizer's state split over the copies): each bucket is reduced onto its
-    owning copies (a reduce-scatter), and once the device's last has ended (and its optimizer stepped, which is not priced), each copy's updated share of the
+    owning copies (a reduce-scatter), and once the device's last has ended and its optimizer
+    stepped (`step_ms` per device where that is priced), each copy's updated share of the
     device's parameters goes to the others, priced as an all-gather of them."""
     num_micro = plan.num_microbatches
     ready = [0.0] * plan.num_stages
@@ -897,6 +952,10 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
                 + cluster.message_overhead_ms
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))
+        if step_ms is not None and step_ms[device] > 0:
+            start = max(free, end_of_backward)
+            free = start + step_ms[device]
+            result.append(Reduction(OPTIMIZER_STEP, (device,), start, free))
         if sharded and held > 0:
             start = max(free, end_of_backward)
             result.append(Reduction(SHARD_BROADCAST, (device,), start,

@@ -181,3 +181,55 @@ def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimi
     assert main(["plan", "--costs", "x.json", "--data-parallel", "2", "--shard-optimizer",
                  "--optimizer-shards", "2"]) != EXIT_OK
     assert "give one" in capsys.readouterr().err
+
+
+def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_sharded_by_the_replicas(tmp_path,
+                                                                                                       capsys):
+    # (3 + 2k) x the weight's bytes per weight for k moments; mixed-adam 28; over the shards
+    steps = {name: MemoryModel.for_optimizer(name, price_step=True).step_bytes_per_param_byte
+             for name in OPTIMIZER_STATE}
+    assert steps == {"mixed-adam": 14.0, "adamw": 7.0, "adam": 7.0, "sgd-momentum": 5.0, "sgd": 3.0}
+    assert MemoryModel.for_optimizer("adamw", weight_bytes=4.0, price_step=True).step_bytes_per_param_byte == 14.0
+    assert MemoryModel.for_optimizer("mixed-adam", shards=4, price_step=True).step_bytes_per_param_byte == 3.5
+    assert MemoryModel.for_optimizer("adamw").step_bytes_per_param_byte == 0.0  # not priced unless asked
+    priced = MemoryModel.for_optimizer("mixed-adam", shards=2, price_step=True)
+    assert MemoryModel.from_dict(priced.to_dict(), "file") == priced
+    assert "step_bytes_per_param_byte" not in MemoryModel().to_dict()  # files without it as before
+    with pytest.raises(ArgumentError, match="file: step_bytes_per_param_byte must be a non-negative"):
+        MemoryModel.from_dict({**priced.to_dict(), "step_bytes_per_param_byte": -1}, "file")
+    with pytest.raises(ArgumentError, match="price_step must be True or False"):
+        MemoryModel.for_optimizer("adamw", price_step="yes")
+
+    costs = heavy_weights()  # 8 layers of 2 GiB of bf16 weights: 2 layers a device on 4 devices
+    one = ClusterSpec.preset("h100x16", num_devices=4)
+    plan = octopipe.schedules.baselines(costs, one, 8)["1f1b/balanced"]
+    free = simulate(plan, costs, one)
+    paid = simulate(plan, costs, one, memory=MemoryModel.for_optimizer("mixed-adam", price_step=True))
+    step_ms = 4 * GiB * 14.0 / one.memory_bandwidth * 1e3  # 28 bytes a weight, 2 Gi weights a device
+    ends = [max(free.op_end[op] for op in ops) for ops in plan.device_ops]
+    for device in range(4):
+        (step,) = [r for r in paid.reductions if r.devices == (device,)]
+        assert step.name == "optimizer step" and step.start_ms == pytest.approx(ends[device])
+        assert step.end_ms - step.start_ms == pytest.approx(step_ms)
+    assert paid.iteration_ms == pytest.approx(max(ends) + step_ms) and not free.reductions
+    assert "optimizer step: device 3" in str(paid)
+    # with replicas: after the device's last reduce-scatter, before its share's broadcast; a
+    # sharded step moves half the bytes over 2 replicas
+    two = ClusterSpec.preset("h100x16", num_devices=8).replica(2)
+    for shards in (1, 2):
+        sim = simulate(plan, costs, two, memory=MemoryModel.for_optimizer("mixed-adam", shards, price_step=True))
+        mine = [r for r in sim.reductions if r.devices == (3,)]
+        names = [r.name for r in mine]
+        assert names == ["data-parallel stage 3", "optimizer step"] + (["data-parallel shard broadcast"] if shards > 1
+                                                                        else [])
+        assert mine[1].start_ms == pytest.approx(mine[0].end_ms)
+        assert mine[1].end_ms - mine[1].start_ms == pytest.approx(step_ms / shards)
+        if shards > 1:
+            assert mine[2].start_ms == pytest.approx(mine[1].end_ms)
+    # the CLI: plan --price-optimizer-step saves the priced model and the report says so
+    table, out = tmp_path / "costs.json", tmp_path / "plan.json"
+    costs.save(table)
+    assert main(["plan", "--costs", str(table), "--cluster", "h100x4", "--microbatches", "8", "--quiet",
+                 "--no-solver", "--effort", "0.05", "--price-optimizer-step", "-o", str(out)]) == EXIT_OK
+    assert load_saved_plan(out).memory == MemoryModel.for_optimizer("mixed-adam", price_step=True)
+    assert "optimizer step priced" in capsys.readouterr().out
