@@ -486,16 +486,9 @@ class Engine:
         return [param for name, param in self._params.items() if self.shard_owners[name] == self.replicas.replica]
 
     def _shard_owners(self) -> dict[str, int]:
-        """Each parameter's owning replica: the largest first (then by name) to the replica that
-        owns the fewest elements so far (the lowest of equals). The same on every copy of this
-        pipeline rank: they hold the same names and shapes."""
-        owned = [0] * self.replicas.size
-        owners: dict[str, int] = {}
-        for name in sorted(self._params, key=lambda n: (-self._params[n].numel(), n)):
-            replica = min(range(self.replicas.size), key=lambda r: (owned[r], r))
-            owners[name] = replica
-            owned[replica] += self._params[name].numel()
-        return owners
+        """Each parameter's owning replica (`shard_owners`): the same on every copy of this
+        pipeline rank, as they hold the same names and shapes."""
+        return shard_owners({name: param.numel() for name, param in self._params.items()}, self.replicas.size)
 
     def _broadcast_shards(self) -> None:
         """After the sharded optimizer's step: each replica's updated parameters from it to the
@@ -1291,6 +1284,20 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
             position += 1
         raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
     optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
+
+
+def shard_owners(sizes: Mapping[str, int], replicas: int) -> dict[str, int]:
+    """The replica of `replicas` whose sharded optimizer steps each parameter (name -> element
+    count): the largest first (then by name) to the replica that owns the fewest elements so far
+    (the lowest of equals). Whole parameters, so one larger than 1/replicas of the rank's
+    elements leaves its owner more than its even share."""
+    owned = [0] * replicas
+    owners: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        replica = min(range(replicas), key=lambda r: (owned[r], r))
+        owners[name] = replica
+        owned[replica] += sizes[name]
+    return owners
 
 
 def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

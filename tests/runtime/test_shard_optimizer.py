@@ -159,7 +159,10 @@ def test_shard_optimizer_arguments_and_memory():
     options = dict(example_inputs=(tokens[0],), example_target=target[0], loss_fn=models.lm_loss, num_microbatches=2,
                    schedule="1f1b", quiet=True, optimizer="adamw", data_parallel=2)
     whole = octopipe.compile(_model(), "cpux4", **options)
-    sharded = octopipe.compile(_model(), "cpux4", shard_optimizer=True, **options)
+    # device 1 holds the tied head, nearly all its weights: one replica steps it whole
+    with pytest.warns(octopipe.OctopipeWarning, match=r"more than the 1/2 of a device's parameters that the plan's "
+                      r"memory counts on device 1 \(99\.9%; 'embed\.weight' alone is 99\.9%\)"):
+        sharded = octopipe.compile(_model(), "cpux4", shard_optimizer=True, **options)
     # fp32 AdamW on analytic (bf16) costs: weights and gradients 8 bytes a weight, moments 8 over 2 replicas
     assert whole.simulation.memory.state_bytes_per_param_byte == pytest.approx(8.0)
     assert sharded.simulation.memory.state_bytes_per_param_byte == pytest.approx(6.0)
