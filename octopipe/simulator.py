@@ -359,9 +359,19 @@ class SimResult:
     # -- time ---------------------------------------------------------------------------------
     @cached_property
     def device_busy_ms(self) -> tuple[float, ...]:
+        """Per device, the ms its ops run, and its optimizer step where that is priced."""
         ends, starts, plan = self._ends, self._starts, self.plan
         keys = [[_slot(plan, op) for op in ops] for ops in plan.device_ops]
-        return tuple(sum(ends[key] - starts[key] for key in device_keys) for device_keys in keys)
+        return tuple(sum(ends[key] - starts[key] for key in device_keys) + step
+                     for device_keys, step in zip(keys, self._optimizer_step_ms))
+
+    @cached_property
+    def _optimizer_step_ms(self) -> tuple[float, ...]:
+        steps = [0.0] * self.plan.num_devices
+        for reduction in self.reductions:
+            if reduction.name == OPTIMIZER_STEP:
+                steps[reduction.devices[0]] += reduction.end_ms - reduction.start_ms
+        return tuple(steps)
 
     @cached_property
     def device_idle_ms(self) -> tuple[float, ...]:
@@ -371,9 +381,10 @@ class SimResult:
     def bubbles(self) -> tuple[tuple[float, float, float], ...]:
         """Per device (warm-up, cool-down, residual) idle ms. A gap that ends before the device's
         first backward is warm-up (the pipeline filling), one that starts after its last forward is
-        cool-down (draining, up to the iteration's end); the other gaps are residual bubbles."""
+        cool-down (draining, up to the iteration's end, less a priced optimizer step there); the
+        other gaps are residual bubbles."""
         result = []
-        for ops in self.plan.device_ops:
+        for ops, step in zip(self.plan.device_ops, self._optimizer_step_ms):
             if not ops:
                 result.append((self.iteration_ms, 0.0, 0.0))
                 continue
@@ -393,7 +404,7 @@ class SimResult:
                         residual += gap
                 if op is not None:
                     previous_end = self.op_end[op]
-            result.append((warmup, cooldown, residual))
+            result.append((warmup, max(0.0, cooldown - step), residual))
         return tuple(result)
 
     @property

@@ -212,6 +212,10 @@ def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_s
         assert step.name == "optimizer step" and step.start_ms == pytest.approx(ends[device])
         assert step.end_ms - step.start_ms == pytest.approx(step_ms)
     assert paid.iteration_ms == pytest.approx(max(ends) + step_ms) and not free.reductions
+    # the step is the device's work, not a bubble: every device as idle as without it
+    assert paid.device_busy_ms == pytest.approx([busy + step_ms for busy in free.device_busy_ms])
+    assert paid.device_idle_ms == pytest.approx(free.device_idle_ms)
+    assert [sum(split) for split in paid.bubbles] == pytest.approx(list(free.device_idle_ms))
     assert "optimizer step: device 3" in str(paid)
     # with replicas: after the device's last reduce-scatter, before its share's broadcast; a
     # sharded step moves half the bytes over 2 replicas
