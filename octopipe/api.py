@@ -1136,15 +1136,20 @@ class DataParallelResult:
     def __str__(self) -> str:
         sharded = any(row.result is not None and row.result.simulation.memory.shards > 1 for row in self.tried)
         label = "reduce-scatter + share broadcast ms" if sharded else "all-reduce ms"
-        lines = [f"replicas x devices  microbatches each  step ms  {label}", "-" * (48 + len(label))]
+        priced = any(row.result is not None and row.result.simulation.memory.step_bytes_per_param_byte > 0
+                     for row in self.tried)
+        step = "  optimizer step ms" if priced else ""
+        lines = [f"replicas x devices  microbatches each  step ms  {label}{step}", "-" * (48 + len(label) + len(step))]
         for row in self.tried:
             mark = "*" if row.data_parallel == self.data_parallel else " "
             if row.result is None:
                 lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17}  "
                              f"no plan: {row.error}")
                 continue
+            sim = row.result.simulation
             lines.append(f"{mark}{row.data_parallel:>3} x {row.num_devices:<13} {row.num_microbatches:>17} "
-                         f"{row.step_ms:>8.2f} {row.result.simulation.data_parallel_ms:>{len(label) + 1}.2f}")
+                         f"{row.step_ms:>8.2f} {sim.data_parallel_ms:>{len(label) + 1}.2f}"
+                         + (f"{max(sim.optimizer_step_ms):>{len(step)}.2f}" if priced else ""))
         return "\n".join(lines) + "\n\n" + str(self.best.report)
 
 

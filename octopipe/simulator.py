@@ -363,10 +363,11 @@ class SimResult:
         ends, starts, plan = self._ends, self._starts, self.plan
         keys = [[_slot(plan, op) for op in ops] for ops in plan.device_ops]
         return tuple(sum(ends[key] - starts[key] for key in device_keys) + step
-                     for device_keys, step in zip(keys, self._optimizer_step_ms))
+                     for device_keys, step in zip(keys, self.optimizer_step_ms))
 
     @cached_property
-    def _optimizer_step_ms(self) -> tuple[float, ...]:
+    def optimizer_step_ms(self) -> tuple[float, ...]:
+        """Per device, its optimizer step's ms where the memory model prices it, else 0."""
         steps = [0.0] * self.plan.num_devices
         for reduction in self.reductions:
             if reduction.name == OPTIMIZER_STEP:
@@ -384,7 +385,7 @@ class SimResult:
         cool-down (draining, up to the iteration's end, less a priced optimizer step there); the
         other gaps are residual bubbles."""
         result = []
-        for ops, step in zip(self.plan.device_ops, self._optimizer_step_ms):
+        for ops, step in zip(self.plan.device_ops, self.optimizer_step_ms):
             if not ops:
                 result.append((self.iteration_ms, 0.0, 0.0))
                 continue

@@ -215,6 +215,7 @@ def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_s
     # the step is the device's work, not a bubble: every device as idle as without it
     assert paid.device_busy_ms == pytest.approx([busy + step_ms for busy in free.device_busy_ms])
     assert paid.device_idle_ms == pytest.approx(free.device_idle_ms)
+    assert paid.optimizer_step_ms == pytest.approx([step_ms] * 4) and free.optimizer_step_ms == (0.0,) * 4
     assert [sum(split) for split in paid.bubbles] == pytest.approx(list(free.device_idle_ms))
     assert "optimizer step: device 3" in str(paid)
     # with replicas: after the device's last reduce-scatter, before its share's broadcast; a
@@ -230,6 +231,14 @@ def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_s
         assert mine[1].end_ms - mine[1].start_ms == pytest.approx(step_ms / shards)
         if shards > 1:
             assert mine[2].start_ms == pytest.approx(mine[1].end_ms)
+    # choosing the replica count: the table shows each count's longest step (1 layer a device
+    # unsharded on 8 devices, 2 a device halved by sharding over 2 replicas: the same)
+    chosen = octopipe.plan_data_parallel(costs, ClusterSpec.preset("h100x8"), 16, quiet=True, effort=0.02,
+                                         counts=(1, 2), memory=lambda d: MemoryModel.for_optimizer(
+                                             "mixed-adam", d, price_step=True))
+    table = str(chosen).split("\n\n")[0]
+    assert table.splitlines()[0].endswith("optimizer step ms")
+    assert [float(line.split()[-1]) for line in table.splitlines()[2:]] == pytest.approx([step_ms / 2] * 2, abs=0.01)
     # the CLI: plan --price-optimizer-step saves the priced model and the report says so
     table, out = tmp_path / "costs.json", tmp_path / "plan.json"
     costs.save(table)
