@@ -286,6 +286,9 @@ def plan(
                      f"{memory.step_bytes_per_param_byte:g} bytes of state traffic per byte at "
                      f"{cluster.memory_bandwidth / 1e12:g} TB/s (up to {max(steps):.2f} ms in the chosen plan; the "
                      "lower bounds leave it out)")
+    elif memory.step_bytes_per_param_byte > 0:
+        notes.append("optimizer step: asked to price it, but the cost table has no param_bytes, so there is nothing to "
+                     "price (give a table with parameter bytes, e.g. analytic costs or one profiled on the model)")
     if cluster.step_overhead_ms:
         notes.append(f"every plan's time includes {cluster.step_overhead_ms:.2f} ms a step of host time outside the ops "
                      "(the cluster's step_overhead_ms, measured on these processes); the lower bounds leave it out")

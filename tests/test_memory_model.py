@@ -246,3 +246,8 @@ def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_s
                  "--no-solver", "--effort", "0.05", "--price-optimizer-step", "-o", str(out)]) == EXIT_OK
     assert load_saved_plan(out).memory == MemoryModel.for_optimizer("mixed-adam", price_step=True)
     assert "optimizer step priced" in capsys.readouterr().out
+    # a table without parameter bytes (as the published profiles) has nothing to price: it says so
+    bare = CostTable([replace(layer, param_bytes=0) for layer in costs])
+    result = octopipe.plan(bare, "h100x4", 8, quiet=True, effort=0.05, solver=False,
+                           memory=MemoryModel.for_optimizer("mixed-adam", price_step=True))
+    assert "asked to price it, but the cost table has no param_bytes" in str(result.report)
