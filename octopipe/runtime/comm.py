@@ -140,8 +140,8 @@ class Transport:
 
     def reduce(self, tensor: torch.Tensor, dst: int, what: str, group: Any = None) -> Any:
         """Start a sum reduce of `tensor` onto global rank `dst` (elsewhere it ends partly summed);
-        finish it with `finish`."""
-        return Pending([dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)], [tensor], dst,
+        finish it with `finish`. Every rank of the group takes part, so a failure names none."""
+        return Pending([dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)], [tensor], -1,
                        what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str, group: Any = None) -> Any:

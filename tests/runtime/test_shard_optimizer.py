@@ -82,6 +82,13 @@ def _worker(rank, world_size, folder):
         engine.clip_grad_norm_(0.5)
         engine.optimizer.step()  # stepped directly, not through optimizer_step: the broadcast is the optimizer's
         resumed[shard] = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    # two steps accumulated before the update: the owner's sums are the unsharded engine's
+    accumulated = {}
+    for shard in (False, True):
+        engine = _pipe(shard).engine(rank, timeout_s=60, optimizer=_adamw)
+        engine.step(*mine)
+        engine.step(*mine)
+        accumulated[shard] = {n: None if p.grad is None else p.grad.clone() for n, p in engine.named_parameters()}
     # an optimizer built over every parameter of a sharded engine is refused
     engine = _pipe(True).engine(rank, timeout_s=60)
     try:
@@ -89,7 +96,7 @@ def _worker(rank, world_size, folder):
         refused = None
     except ExecutionError as exc:
         refused = str(exc)
-    return runs, resumed, refused
+    return runs, resumed, refused, accumulated
 
 
 def _plain():
@@ -112,7 +119,7 @@ def _plain():
 def test_sharded_optimizer_state_trains_as_the_whole_one_with_half_the_state(tmp_path):
     per_rank = launch(_worker, 4, args=(str(tmp_path),), timeout_s=240)
     plain_losses, plain_params = _plain()
-    for rank, (runs, resumed, refused) in enumerate(per_rank):
+    for rank, (runs, resumed, refused, accumulated) in enumerate(per_rank):
         whole, sharded = runs[False], runs[True]
         assert sharded["losses"] == whole["losses"], rank  # bit for bit
         assert sharded["losses"] == pytest.approx(plain_losses, rel=1e-5)
@@ -130,6 +137,8 @@ def test_sharded_optimizer_state_trains_as_the_whole_one_with_half_the_state(tmp
         assert sorted(name for name, grad in sharded["grads"].items() if grad is not None) == owned, rank
         for name in owned:
             assert torch.equal(sharded["grads"][name], whole["grads"][name]), (rank, name)
+            assert torch.equal(accumulated[True][name], accumulated[False][name]), (rank, name, "accumulated")
+        assert all(accumulated[True][name] is None for name in accumulated[True] if name not in owned), rank
         assert sharded["state_names"] == owned  # this copy holds its share's state only
         assert whole["state_names"] == sorted(whole["params"])
         assert refused is not None and "another replica's optimizer" in refused, rank
