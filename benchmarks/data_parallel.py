@@ -47,8 +47,10 @@ COUNTS = (1, 2, 4, 8, 16)
 def run(name: str, costs, cluster: ClusterSpec, microbatches: int, time_limit_s: float,
         shard_optimizer: bool = False, price_step: bool = False) -> list[str]:
     started = time.perf_counter()
-    memory = ((lambda count: MemoryModel.for_optimizer("mixed-adam", shards=count, price_step=price_step))
-              if shard_optimizer else MemoryModel.for_optimizer("mixed-adam", price_step=price_step))
+
+    def memory(count: int) -> MemoryModel:  # each count's jobs: mixed-adam, its state over the count if sharded
+        return MemoryModel.for_optimizer("mixed-adam", count if shard_optimizer else 1, price_step=price_step)
+
     result = plan_data_parallel(costs, cluster, microbatches, counts=COUNTS, time_limit_s=time_limit_s, quiet=True,
                                 memory=memory)
     seconds = time.perf_counter() - started

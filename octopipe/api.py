@@ -21,7 +21,7 @@ from octopipe.ir.costs import CostTable, is_finite_number
 from octopipe.ir.files import parse_json, read_text
 from octopipe.ir.plan import PipelinePlan
 from octopipe.report import PlanReport, PlanRow
-from octopipe.simulator import OPTIMIZER_STEP, MemoryModel, SimResult, simulate
+from octopipe.simulator import MemoryModel, SimResult, simulate
 from octopipe.solver import (
     WHOLE_ORDER_OPS,
     Refinement,
@@ -280,12 +280,11 @@ def plan(
                         "shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
-    steps = [r.end_ms - r.start_ms for r in final.reductions if r.name == OPTIMIZER_STEP]
-    if steps:
+    if any(final.optimizer_step_ms):
         notes.append(f"optimizer step priced: each device's after its last gradient reduction, its weights' "
                      f"{memory.step_bytes_per_param_byte:g} bytes of state traffic per byte at "
-                     f"{cluster.memory_bandwidth / 1e12:g} TB/s (up to {max(steps):.2f} ms in the chosen plan; the "
-                     "lower bounds leave it out)")
+                     f"{cluster.memory_bandwidth / 1e12:g} TB/s (up to {max(final.optimizer_step_ms):.2f} ms in the "
+                     "chosen plan; the lower bounds leave it out)")
     elif memory.step_bytes_per_param_byte > 0:
         notes.append("optimizer step: asked to price it, but the cost table has no param_bytes, so there is nothing to "
                      "price (give a table with parameter bytes, e.g. analytic costs or one profiled on the model)")
@@ -1432,17 +1431,22 @@ def _warn_uneven_shares(stages: Sequence[Any], chosen: PipelinePlan, replicas: i
     from octopipe.errors import OctopipeWarning
     from octopipe.runtime.engine import shard_owners
 
+    # the engine assigns every parameter a device holds (frozen ones too); only those that train
+    # have optimizer state
     sizes: list[dict[str, int]] = [{} for _ in range(chosen.num_devices)]
+    trains: set[str] = set()
     for stage in stages:
         for local, param in stage.named_parameters():
+            sizes[chosen.placement[stage.index]][stage.original_name(local)] = param.numel()
             if param.requires_grad:
-                sizes[chosen.placement[stage.index]][stage.original_name(local)] = param.numel()
+                trains.add(stage.original_name(local))
     uneven = []
-    for device, held in enumerate(sizes):
+    for device, every in enumerate(sizes):
+        held = {name: size for name, size in every.items() if name in trains}
         total = sum(held.values())
         if not total:
             continue
-        owners = shard_owners(held, replicas)
+        owners = shard_owners(every, replicas)
         shares = [sum(n for name, n in held.items() if owners[name] == r) / total for r in range(replicas)]
         if max(shares) > 1 / replicas + 0.1:
             largest = max(held, key=lambda name: (held[name], name))

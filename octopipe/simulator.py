@@ -872,21 +872,32 @@ def _run(
                 reduced_until[d] = end
             iteration = max(iteration, end)
             reductions.append(Reduction(name, devices, start, end))
-    step_ms = None
-    if memory.step_bytes_per_param_byte > 0:  # each device's optimizer step, bound by memory traffic
-        weights = _static_bytes(sc.params, stage_device, tied, num_devices, MemoryModel(state_bytes_per_param_byte=1.0))
-        step_ms = [size * memory.step_bytes_per_param_byte / cluster.memory_bandwidth * 1e3 for size in weights]
+    # per device, after its tied reductions: its data-parallel buckets, then (where priced) its
+    # optimizer step, then with a sharded state its copies' updated shares to each other
+    per_device: list[list[Reduction]] = [[] for _ in range(num_devices)]
+    held: list[float] = []  # the parameter bytes each device's buckets summed
     if cluster.data_parallel > 1:
-        for reduction in _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
-                                                memory.shards > 1, step_ms):
-            iteration = max(iteration, reduction.end_ms)
-            reductions.append(reduction)
-    elif step_ms is not None:
+        buckets, held = _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
+                                               memory.shards > 1)
+        for reduction in buckets:
+            per_device[reduction.devices[0]].append(reduction)
+            reduced_until[reduction.devices[0]] = reduction.end_ms  # one at a time, in order, per device
+    sharded = bool(held) and memory.shards > 1
+    if memory.step_bytes_per_param_byte > 0 or sharded:
+        weights = _static_bytes(sc.params, stage_device, tied, num_devices, MemoryModel(state_bytes_per_param_byte=1.0))
         for device in range(num_devices):
-            if step_ms[device] > 0:
-                start = max(_last_gradient_end(device_ops[device], done, per_kind, num_micro), reduced_until[device])
-                reductions.append(Reduction(OPTIMIZER_STEP, (device,), start, start + step_ms[device]))
-                iteration = max(iteration, start + step_ms[device])
+            at = max(_last_gradient_end(device_ops[device], done, per_kind, num_micro), reduced_until[device])
+            step = weights[device] * memory.step_bytes_per_param_byte / cluster.memory_bandwidth * 1e3
+            if step > 0:
+                per_device[device].append(Reduction(OPTIMIZER_STEP, (device,), at, at + step))
+                at += step
+            if sharded and held[device] > 0:
+                per_device[device].append(Reduction(SHARD_BROADCAST, (device,), at, at + cluster.all_gather_ms(
+                    held[device]) + cluster.message_overhead_ms))
+    for mine in per_device:
+        for reduction in mine:
+            iteration = max(iteration, reduction.end_ms)
+        reductions.extend(mine)
     iteration += cluster.step_overhead_ms  # host time outside the ops, once a step
     if not record:
         return iteration, tuple(s + a for s, a in zip(static, peak))
@@ -916,15 +927,14 @@ compute on the device, not a message."""
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
                            done: list[float], per_kind: int, reduced_until: Sequence[float],
-                           sharded: bool = False, step_ms: Sequence[float] | None = None) -> list[Reduction]:
+                           sharded: bool = False) -> tuple[list[Reduction], list[float]]:
     """Each device's gradient all-reduces over its data-parallel copies, as the runtime issues
     them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
     two of the device's stages share goes with the later one), then the parameters tied across
     devices after their tied all-reduce; one at a time per device, in the order they are ready.
     `sharded` (the optimizer's state split over the copies): each bucket is reduced onto its
-    owning copies (a reduce-scatter), and once the device's last has ended and its optimizer
-    stepped (`step_ms` per device where that is priced), each copy's updated share of the
-    device's parameters goes to the others, priced as an all-gather of them."""
+    owning copies (a reduce-scatter). Returns the reductions and each device's bytes summed (what
+    a sharded state's broadcast after the step moves, which `_run` prices)."""
     num_micro = plan.num_microbatches
     ready = [0.0] * plan.num_stages
     for ops in plan.device_ops:
@@ -949,30 +959,22 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
         else:
             bucket[max(stages, key=lambda stage: (ready[stage], stage))] += tied.bytes
     result = []
+    held = [0.0] * plan.num_devices
     for device in range(plan.num_devices):
         queue = sorted((ready[stage], stage) for stage in plan.stages_of(device) if bucket[stage] > 0)
         end_of_backward = max((ready[stage] for stage in plan.stages_of(device)), default=0.0)
         if across[device] > 0:
             queue.append((max(end_of_backward, reduced_until[device]), -1))
         free = 0.0
-        held = 0.0
         for at, stage in queue:
             size = bucket[stage] if stage >= 0 else across[device]
-            held += size
+            held[device] += size
             start = max(at, free)
             free = start + (cluster.reduce_scatter_ms(size) if sharded else cluster.all_reduce_ms(size)) \
                 + cluster.message_overhead_ms
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))
-        if step_ms is not None and step_ms[device] > 0:
-            start = max(free, end_of_backward)
-            free = start + step_ms[device]
-            result.append(Reduction(OPTIMIZER_STEP, (device,), start, free))
-        if sharded and held > 0:
-            start = max(free, end_of_backward)
-            result.append(Reduction(SHARD_BROADCAST, (device,), start,
-                                    start + cluster.all_gather_ms(held) + cluster.message_overhead_ms))
-    return result
+    return result, held
 
 
 def _tied_holders(plan: PipelinePlan, costs: CostTable) -> list[tuple[str, float, dict[int, int]]]:

@@ -505,7 +505,7 @@ class Engine:
             params = groups[replica, dtype]
             flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
                     torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
-            src = self.replicas.stage_rank * self.replicas.size + replica
+            src = self.replicas.data_ranks(self.replicas.stage_rank)[replica]
             what = f"rank {self.rank}: optimizer step: the parameters replica {replica} updated (shard_optimizer)"
             started.append((self.transport.broadcast(flat, src, what, self._data_group), params, flat, replica))
         for pending, params, flat, replica in started:
@@ -626,7 +626,7 @@ class Engine:
             reduce_op = dist.ReduceOp.SUM
         if self.world_size > 1 and dist.is_initialized():  # over this replica's ranks (the others hold the same)
             dist.all_reduce(total, op=reduce_op, group=self._pipeline_group)
-        norm = float(total) if norm_type == float("inf") else float(total) ** (1.0 / norm_type)
+        norm = float(total) if infinite else float(total) ** (1.0 / norm_type)
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
             for param in self._params.values():
@@ -999,7 +999,7 @@ class Engine:
             self._unscale(i)
         mine = self.replicas.replica
         for name, earlier in self._tied_earlier.items():
-            if earlier is not None and (not self.shard_optimizer or self.shard_owners.get(name, mine) == mine):
+            if earlier is not None and (not self.shard_optimizer or self.shard_owners[name] == mine):
                 param = self._params[name]
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)
         self._tied_earlier = {}
