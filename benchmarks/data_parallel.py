@@ -19,10 +19,13 @@ their shares (half an all-reduce) and each device's updated share goes to its co
 step (priced as an all-gather; both in the all-reduce column). `--price-optimizer-step`: every
 job also pays each device's optimizer step (mixed-adam's 28 bytes of traffic a weight, 1/D of
 it sharded, at the H100's memory bandwidth), which the default leaves out.
+`--overlap-param-gather` (with `--shard-optimizer`): every job's shares' broadcast runs beside
+the next step, each stage's first forward waiting for its own (Megatron's
+`--overlap-param-gather`, `compile(overlap_param_gather=True)`), baselines included.
 Usage:
 
     python benchmarks/data_parallel.py [--time-limit 20] [--models deepseek,gemma] [--microbatches 64]
-                                       [--shard-optimizer] [--price-optimizer-step]
+                                       [--shard-optimizer [--overlap-param-gather]] [--price-optimizer-step]
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ COUNTS = (1, 2, 4, 8, 16)
 
 
 def run(name: str, costs, cluster: ClusterSpec, microbatches: int, time_limit_s: float,
-        shard_optimizer: bool = False, price_step: bool = False) -> list[str]:
+        shard_optimizer: bool = False, price_step: bool = False, overlap: bool = False) -> list[str]:
     started = time.perf_counter()
 
     def memory(count: int) -> MemoryModel:  # each count's jobs: mixed-adam, its state over the count if sharded
-        return MemoryModel.for_optimizer("mixed-adam", count if shard_optimizer else 1, price_step=price_step)
+        return MemoryModel.for_optimizer("mixed-adam", count if shard_optimizer else 1, price_step=price_step,
+                                         overlap_param_gather=overlap and shard_optimizer and count > 1)
 
     result = plan_data_parallel(costs, cluster, microbatches, counts=COUNTS, time_limit_s=time_limit_s, quiet=True,
                                 memory=memory)
@@ -88,14 +92,20 @@ def main() -> None:
                         help="every job shards the optimizer's state over its replicas (ZeRO-1)")
     parser.add_argument("--price-optimizer-step", action="store_true",
                         help="price every device's optimizer step (its state's traffic at H100 memory bandwidth)")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="with --shard-optimizer: the shares' broadcast beside the next step's first forwards")
     args = parser.parse_args()
+    if args.overlap_param_gather and not args.shard_optimizer:
+        parser.error("--overlap-param-gather overlaps a sharded optimizer's broadcast: give --shard-optimizer too")
     cluster = ClusterSpec.preset("h100x16")
     # each replica count pays its own gradient accumulation: M/D microbatches add into .grad
     tables = analytic_tables(cluster, args.models.split(",") if args.models else None, accumulation=True)
     print(f"OctoPipe's replica count vs fixed ones: 16 H100s (nodes of 8), {args.microbatches} microbatches in "
           f"all, {args.time_limit:.0f}s of planning per model; step = one replica's iteration (they run side by "
           "side), all-reduce included" + ("; the optimizer's state sharded over the replicas (ZeRO-1), the "
-                                         "gradients' reduce-scatter and the shares' broadcast priced" if args.shard_optimizer else "")
+                                         "gradients' reduce-scatter and the shares' broadcast priced"
+                                         + (", the broadcast beside the next step's first forwards"
+                                            if args.overlap_param_gather else "") if args.shard_optimizer else "")
           + ("; each device's optimizer step priced (mixed-adam's 28 bytes a weight, over the shards, at "
              f"{cluster.memory_bandwidth / 1e12:g} TB/s)" if args.price_optimizer_step else ""))
     print(f"{'model':<24}{'D':>4} x {'dev':<4}{'mb':>5}  {'best baseline (fits memory)':<28}{'ms':>9}"
@@ -104,7 +114,7 @@ def main() -> None:
     started = time.perf_counter()
     for name, costs in tables.items():
         for line in run(name, costs, cluster, args.microbatches, args.time_limit, args.shard_optimizer,
-                        args.price_optimizer_step):
+                        args.price_optimizer_step, args.overlap_param_gather):
             print(line, flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 

@@ -277,7 +277,10 @@ def plan(
                      + (f"; with the optimizer state sharded over the {cluster.data_parallel} copies "
                         f"(MemoryModel.shards = {memory.shards}), the sums are reduce-scattered onto each share's "
                         "owner (half an all-reduce) and each device's copies then send each other their updated "
-                        "shares, priced as an all-gather of its parameters" if memory.shards > 1 else "")
+                        "shares, priced as an all-gather of its parameters"
+                        + (" at the step's start, stage by stage, each stage's forwards after its own "
+                           "(overlap_param_gather: the last step's broadcast beside this one's first forwards)"
+                           if memory.overlap_param_gather else "") if memory.shards > 1 else "")
                      + ("; the cost table has no param_bytes, so there is nothing to sum"
                         if not any(layer.param_bytes for layer in costs.layers) else ""))
     if any(final.optimizer_step_ms):
@@ -689,6 +692,8 @@ class Pipeline:
     every step takes (each engine checks it)."""
     shard_optimizer: bool = False
     """compile's `shard_optimizer`: every engine splits its optimizer's state over the replicas."""
+    overlap_param_gather: bool = False
+    """compile's `overlap_param_gather`: every engine overlaps the shares' broadcast with the next step."""
 
     @property
     def microbatch_size(self) -> int | None:
@@ -708,7 +713,8 @@ class Pipeline:
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
         `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast,
-        shard_optimizer: see there; loss_weight, autocast and shard_optimizer default to compile's,
+        shard_optimizer, overlap_param_gather: see there; loss_weight, autocast, shard_optimizer and
+        overlap_param_gather default to compile's,
         and an autocast other than compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.amp import autocast_dtype
@@ -733,6 +739,7 @@ class Pipeline:
                                 "compile again with the autocast to run")
         options.setdefault("batch_specs", self.batch_specs)
         options.setdefault("shard_optimizer", self.shard_optimizer)
+        options.setdefault("overlap_param_gather", self.overlap_param_gather)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -916,6 +923,7 @@ def compile(
     memory: MemoryModel = MemoryModel(),
     optimizer: str | None = None,
     shard_optimizer: bool = False,
+    overlap_param_gather: bool = False,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -972,7 +980,11 @@ def compile(
     default mixed-precision Adam's; a `memory` with its own state bytes is taken as given) and
     the simulation prices what the runtime moves (`MemoryModel.shards`): each share's gradients
     reduced onto its owner (a reduce-scatter's bytes, not an all-reduce's) and each replica's
-    updated share broadcast to the others after the step."""
+    updated share broadcast to the others after the step.
+    overlap_param_gather: with shard_optimizer (Megatron's `--overlap-param-gather`), that
+    broadcast runs beside the next step instead of ending this one: each stage's first forward
+    waits for its own share, and the simulation (so the search) prices it there
+    (`MemoryModel.overlap_param_gather`); the same values, bit for bit."""
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -990,6 +1002,12 @@ def compile(
                             f"data_parallel={cluster.data_parallel}")
     if not isinstance(shard_optimizer, bool):
         raise ArgumentError(f"compile: shard_optimizer must be True or False, got {shard_optimizer!r:.40}")
+    if not isinstance(overlap_param_gather, bool):
+        raise ArgumentError(f"compile: overlap_param_gather must be True or False, got {overlap_param_gather!r:.40}")
+    if overlap_param_gather and not shard_optimizer:
+        raise ArgumentError("compile: overlap_param_gather=True overlaps the broadcast of a sharded optimizer's "
+                            "updated shares with the next step, but shard_optimizer is False (nothing is "
+                            "broadcast); pass shard_optimizer=True too, or leave overlap_param_gather off")
     full_cluster, cluster = cluster, cluster.replica(data_parallel) if data_parallel > 1 else cluster
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     empty = [i for i, t in enumerate(inputs) if hasattr(t, "dim") and t.dim() and t.shape[0] == 0]
@@ -1011,6 +1029,10 @@ def compile(
         raise ArgumentError(f"compile: memory must be a MemoryModel (MemoryModel.for_optimizer(name)), got "
                             f"{type(memory).__name__}")
     memory.check("compile: memory")
+    if memory.overlap_param_gather and not overlap_param_gather:
+        raise ArgumentError("compile: memory prices an overlapped parameter gather (overlap_param_gather=True) but "
+                            "compile's overlap_param_gather is False, so the engines would not overlap it; pass "
+                            "compile(..., shard_optimizer=True, overlap_param_gather=True), which prices it too")
     if optimizer is not None and memory.state_bytes_per_param_byte != MemoryModel().state_bytes_per_param_byte:
         raise ArgumentError("compile: give optimizer= (its state is then sized from the model's weights) or memory= "
                             "with your own state_bytes_per_param_byte, not both")
@@ -1050,6 +1072,8 @@ def compile(
         table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
         if optimizer is not None:
             memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1)
+        if overlap_param_gather and data_parallel > 1:
+            memory = replace(memory, overlap_param_gather=True)  # (sharded above: shards = data_parallel)
         report = None
         runners_up: tuple[PipelinePlan, ...] = ()
         if plan is not None:
@@ -1105,7 +1129,8 @@ def compile(
         timed("verify", lambda: verify(programs, chosen, links))
         specs = tuple((tuple(t.shape), t.dtype) for t in (*inputs, example_target))  # (a target is guessed if not given)
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
-                        seconds, loss_weight, runners_up, autocast, data_parallel, specs, shard_optimizer)
+                        seconds, loss_weight, runners_up, autocast, data_parallel, specs, shard_optimizer,
+                        overlap_param_gather)
 
 
 @dataclass

@@ -533,6 +533,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "--data-parallel to plan that replica, or give a spec of every device, without "
                             "data_parallel, with --data-parallel")
     replicas = 1 if args.data_parallel is None else args.data_parallel
+    if args.overlap_param_gather and not args.shard_optimizer:
+        raise OctopipeError("plan --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's updated "
+                            "shares with the next step; give --shard-optimizer (and --data-parallel D or auto) too")
     if args.shard_optimizer and args.optimizer_shards > 1:
         raise OctopipeError(f"plan --shard-optimizer --optimizer-shards {args.optimizer_shards}: give one; "
                             "--shard-optimizer shards over the --data-parallel replicas, --optimizer-shards over a "
@@ -567,10 +570,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
         options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs,
-                                                        args.price_optimizer_step)
+                                                        args.price_optimizer_step, args.overlap_param_gather)
     else:
         shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
-        options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step)
+        options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step,
+                                          args.overlap_param_gather)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -783,6 +787,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
+    if args.overlap_param_gather and not args.shard_optimizer:
+        raise OctopipeError("train --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's updated "
+                            "shares with the next step; give --shard-optimizer (and --data-parallel D) too")
     if args.nprocs % args.data_parallel:
         raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
                             "(it counts every rank of every replica)")
@@ -826,7 +833,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             num_microbatches=args.microbatches, costs=costs, plan=args.plan, schedule=args.schedule,
                             time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
-                            shard_optimizer=args.shard_optimizer)
+                            shard_optimizer=args.shard_optimizer,
+                            overlap_param_gather=args.overlap_param_gather)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -854,16 +862,23 @@ OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
 import torch)."""
 
 
-def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False) -> Any:
+def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False,
+                  overlap: bool = False) -> Any:
     """`plan --optimizer`'s memory model: for a --model (`graph`), sized from its own weights as
     `compile(optimizer=...)` and train size it; for a cost table, on weights held in the dtype it
-    counts. `price_step`: with the step's traffic (`plan --price-optimizer-step`)."""
+    counts. `price_step`: with the step's traffic (`plan --price-optimizer-step`); `overlap`: the
+    shares' broadcast overlapped with the next step (`plan --overlap-param-gather`; with one
+    shard, as `--data-parallel auto`'s single replica has, nothing is broadcast)."""
+    from dataclasses import replace
+
     from octopipe.api import _optimizer_memory
     from octopipe.simulator import MemoryModel
 
     if graph is not None and graph.module is not None:
-        return _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step)
-    return MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
+        memory = _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step)
+    else:
+        memory = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
+    return replace(memory, overlap_param_gather=overlap and shards > 1)
 
 
 def _runtime_profiled(args: argparse.Namespace, cluster: Any, model: Any, inputs: Any, target: Any,
@@ -904,7 +919,8 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
     pipes = [pipe] + [octopipe.compile(model, pipe.cluster, example_inputs=inputs, example_target=target, loss_fn=loss_fn,
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
-                                       memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer)
+                                       memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer,
+                                       overlap_param_gather=pipe.overlap_param_gather)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -994,7 +1010,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      costs=costs, schedule=args.schedule,
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel,
-                                     optimizer=args.optimizer, shard_optimizer=args.shard_optimizer)
+                                     optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
+                            overlap_param_gather=args.overlap_param_gather)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1011,7 +1028,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     pipe = octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
-                            shard_optimizer=args.shard_optimizer)
+                            shard_optimizer=args.shard_optimizer,
+                            overlap_param_gather=args.overlap_param_gather)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1100,7 +1118,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--autocast", args.autocast] if args.autocast else []
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
-    words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer), ("--profile", args.profile),
+    words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
+                                    ("--overlap-param-gather", args.overlap_param_gather), ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -1196,7 +1215,8 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
         octopipe.compile(model, cluster, example_inputs=examples, example_target=example_target, loss_fn=loss_fn,
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
-                         optimizer=args.optimizer, shard_optimizer=args.shard_optimizer)
+                         optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
+                            overlap_param_gather=args.overlap_param_gather)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1278,6 +1298,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the optimizer's own state split over the --data-parallel replicas, as train "
                         "--shard-optimizer runs it (ZeRO-1); with --data-parallel auto, each count's replicas hold "
                         "their share, so more replicas hold less each")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --shard-optimizer: price the shares' broadcast beside the next step (each stage's first "
+                        "forward waits for its own) instead of at the step's end, as train --overlap-param-gather "
+                        "runs it (Megatron's --overlap-param-gather)")
     p.add_argument("--price-optimizer-step", action="store_true",
                    help="price each device's optimizer step: its state's traffic (--optimizer's; 28 bytes a weight "
                         "for Adam, 1/D of it sharded) at the cluster's memory bandwidth, after its last gradient "
@@ -1344,6 +1368,10 @@ def _parser() -> argparse.ArgumentParser:
                         "distributed optimizer): each gets the summed gradients of its share only, steps it and "
                         "sends it to the others; the same updates, 1/D of the state per rank, half the gradient "
                         "traffic of an all-reduce, and the plan's memory limit counts that")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --shard-optimizer: leave the shares' broadcast after each step running beside the next "
+                        "step, each stage's first forward waiting for its own (Megatron's --overlap-param-gather); "
+                        "the same updates, and the plan prices it so")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

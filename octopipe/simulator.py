@@ -31,7 +31,11 @@ the parameters tied across devices after their tied all-reduce; one all-reduce a
 device. With the optimizer's state sharded over the copies (`MemoryModel.shards` > 1) each
 bucket is summed onto its owners only (`cluster.reduce_scatter_ms`, half the all-reduce) and each
 device then sends its copies their updated shares (`cluster.all_gather_ms` of its parameters).
-The iteration ends when the last has (`Reduction`s named "data-parallel ...").
+The iteration ends when the last has (`Reduction`s named "data-parallel ..."). Where that
+broadcast overlaps the next step (`MemoryModel.overlap_param_gather`) it is priced at the step's
+start instead, one stage at a time in the order of the device's first forwards, and each stage's
+forwards wait for its own ("data-parallel parameter gather stage s"): the steady state, where one
+step's broadcast runs beside the next one's first forwards.
 
 The optimizer step is priced only where the memory model says what it moves
 (`MemoryModel.step_bytes_per_param_byte` > 0): each device's step then starts after its last
@@ -115,10 +119,18 @@ class MemoryModel:
     state's broadcast), streamed at `ClusterSpec.memory_bandwidth`: an elementwise update is
     bound by memory traffic. `for_optimizer(..., price_step=True)` sets it (a sharded step moves
     1/shards of it)."""
+    overlap_param_gather: bool = False
+    """With `shards` > 1: the shares' broadcast after the step is left running and each stage's
+    parameters are waited for only before its first forward of the next step (Megatron's
+    `--overlap-param-gather`; `compile(..., overlap_param_gather=True)`). The simulator then
+    prices the broadcast at the start of the step, stage by stage in the order of their first
+    forwards on the device, each stage's forwards starting after its own ("data-parallel
+    parameter gather stage s"), instead of at the end."""
 
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
-                      weight_bytes: float | None = None, price_step: bool = False) -> MemoryModel:
+                      weight_bytes: float | None = None, price_step: bool = False,
+                      overlap_param_gather: bool = False) -> MemoryModel:
         """The memory of a job stepping optimizer `name` (an OPTIMIZER_STATE key).
         `param_bytes_per_weight`: what the cost table's `param_bytes` count per weight (2, bf16,
         in the published profiles and analytic costs; the element size in a table profiled on the
@@ -130,9 +142,12 @@ class MemoryModel:
         `price_step`: also price the step's memory traffic (`step_bytes_per_param_byte`): a
         weight, its gradient and k moments read and the weight and moments written, (3 + 2k) x
         the weight's bytes (28 per weight for fp32 Adam; mixed-adam 28, `MIXED_ADAM_STEP_BYTES`),
-        over `shards` where each replica steps its share."""
-        if not isinstance(price_step, bool):
-            raise ArgumentError(f"MemoryModel.for_optimizer: price_step must be True or False, got {price_step!r:.40}")
+        over `shards` where each replica steps its share. `overlap_param_gather`: the shares'
+        broadcast overlaps the next step's forwards (`MemoryModel.overlap_param_gather`; needs
+        `shards` > 1)."""
+        for what, flag in (("price_step", price_step), ("overlap_param_gather", overlap_param_gather)):
+            if not isinstance(flag, bool):
+                raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be True or False, got {flag!r:.40}")
         if name not in OPTIMIZER_STATE:
             raise ArgumentError(f"MemoryModel.for_optimizer: unknown optimizer {name!r:.40}; use one of "
                                 f"{', '.join(OPTIMIZER_STATE)} (or MemoryModel(state_bytes_per_param_byte=...) for "
@@ -153,8 +168,10 @@ class MemoryModel:
             held, own = 2 * size, moments * size
             traffic = (3 + 2 * moments) * size
         step = traffic / shards / param_bytes_per_weight if price_step else 0.0
-        return cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards,
-                   step_bytes_per_param_byte=step)
+        model = cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards,
+                    step_bytes_per_param_byte=step, overlap_param_gather=overlap_param_gather)
+        model.check("MemoryModel.for_optimizer")
+        return model
 
     def check(self, where: str) -> None:
         """Raise ArgumentError unless both fields are sensible numbers."""
@@ -171,6 +188,14 @@ class MemoryModel:
         if not (is_finite_number(step) and step >= 0):
             raise ArgumentError(f"{where}: step_bytes_per_param_byte must be a non-negative number of bytes per "
                                 f"byte of weights (0: the optimizer step is not priced), got {step!r:.40}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise ArgumentError(f"{where}: overlap_param_gather must be True or False, got "
+                                f"{self.overlap_param_gather!r:.40}")
+        if self.overlap_param_gather and self.shards == 1:
+            raise ArgumentError(f"{where}: overlap_param_gather overlaps the broadcast of a sharded optimizer's "
+                                "updated shares, but shards is 1 (nothing is broadcast); shard the state over the "
+                                "replicas (shards = D, compile(shard_optimizer=True), plan --shard-optimizer) or "
+                                "leave overlap_param_gather off")
 
     def to_dict(self) -> dict[str, float]:
         data = {"state_bytes_per_param_byte": self.state_bytes_per_param_byte,
@@ -179,15 +204,18 @@ class MemoryModel:
             data["shards"] = self.shards
         if self.step_bytes_per_param_byte:
             data["step_bytes_per_param_byte"] = self.step_bytes_per_param_byte
+        if self.overlap_param_gather:
+            data["overlap_param_gather"] = True
         return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> MemoryModel:
         if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction",
-                                                      "shards", "step_bytes_per_param_byte"}:
+                                                      "shards", "step_bytes_per_param_byte",
+                                                      "overlap_param_gather"}:
             raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte, "
-                                f"weight_memory_fraction and optionally shards and step_bytes_per_param_byte, got "
-                                f"{data!r:.120}")
+                                f"weight_memory_fraction and optionally shards, step_bytes_per_param_byte and "
+                                f"overlap_param_gather, got {data!r:.120}")
         model = cls(**data)
         model.check(where)
         return model
@@ -426,7 +454,8 @@ class SimResult:
     def data_parallel_ms(self) -> float:
         """The most time a device spends all-reducing its gradients over its data-parallel copies
         (its buckets together; 0 without copies), and with the optimizer's state sharded sending
-        its updated share after. Most of the all-reduces may overlap the device's backward."""
+        its updated share after (or, overlapped, before its stages' first forwards). Most of the
+        all-reduces may overlap the device's backward."""
         per_device: dict[int, float] = {}
         for r in self.reductions:
             if r.name.startswith("data-parallel"):
@@ -496,6 +525,11 @@ class SimResult:
             if reduction.name == OPTIMIZER_STEP:
                 lines.append(f"optimizer step: device {reduction.devices[0]} {reduction.start_ms:.3f}-"
                              f"{reduction.end_ms:.3f} ms (its state's traffic at the memory bandwidth)")
+            elif reduction.name.startswith(PARAM_GATHER):
+                stage = reduction.name.rsplit(" ", 1)[1]
+                lines.append(f"data-parallel: device {reduction.devices[0]}'s copies send each other stage {stage}'s "
+                             f"updated shares before its first forward (overlapped with the step) "
+                             f"{reduction.start_ms:.3f}-{reduction.end_ms:.3f} ms")
             elif reduction.name == SHARD_BROADCAST:
                 lines.append(f"data-parallel: device {reduction.devices[0]}'s copies send each other their updated "
                              f"shares (the optimizer state is sharded over the {self.cluster.data_parallel} copies) "
@@ -694,6 +728,14 @@ def _run(
         ready.extend([-1.0] * (2 * len(sc.skips) * num_micro))
     device_ops = plan.device_ops
     queue = list(range(num_devices - 1, -1, -1))
+    # a sharded state's broadcast overlapped with this step: each stage's forwards wait for its own
+    gathers: list[Reduction] = []
+    release: list[float] | None = None
+    if cluster.data_parallel > 1 and memory.shards > 1 and memory.overlap_param_gather:
+        gathers = _param_gathers(plan, costs, cluster, sc.params)
+        release = [0.0] * num_stages
+        for gather in gathers:
+            release[int(gather.name.rsplit(" ", 1)[1])] = gather.end_ms
 
     def send(message: int, device: int, target: int, size: float, finish: float, op: Op) -> None:
         """Queue `size` bytes on the link device -> target after `finish`; the message is ready on
@@ -735,6 +777,8 @@ def _run(
                         break
                 else:
                     dep, arrival = -1, 0.0
+                if release is not None and release[stage] > arrival:
+                    dep, arrival = -1, release[stage]
                 if skip_in[stage]:
                     missing = -1
                     for link, source in skip_in[stage]:
@@ -875,6 +919,9 @@ def _run(
     # per device, after its tied reductions: its data-parallel buckets, then (where priced) its
     # optimizer step, then with a sharded state its copies' updated shares to each other
     per_device: list[list[Reduction]] = [[] for _ in range(num_devices)]
+    for gather in gathers:
+        per_device[gather.devices[0]].append(gather)
+        reduced_until[gather.devices[0]] = max(reduced_until[gather.devices[0]], gather.end_ms)
     held: list[float] = []  # the parameter bytes each device's buckets summed
     if cluster.data_parallel > 1:
         buckets, held = _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
@@ -891,7 +938,7 @@ def _run(
             if step > 0:
                 per_device[device].append(Reduction(OPTIMIZER_STEP, (device,), at, at + step))
                 at += step
-            if sharded and held[device] > 0:
+            if sharded and held[device] > 0 and not gathers:
                 per_device[device].append(Reduction(SHARD_BROADCAST, (device,), at, at + cluster.all_gather_ms(
                     held[device]) + cluster.message_overhead_ms))
     for mine in per_device:
@@ -920,9 +967,49 @@ def _last_gradient_end(ops: tuple[Op, ...], done: list[float], per_kind: int, nu
 SHARD_BROADCAST = "data-parallel shard broadcast"
 """The `Reduction` name of a device's share broadcast after a sharded optimizer step."""
 
+PARAM_GATHER = "data-parallel parameter gather"
+"""The `Reduction` name (then " stage s") of a stage's share broadcast overlapped with the next
+step (`MemoryModel.overlap_param_gather`)."""
+
 OPTIMIZER_STEP = "optimizer step"
 """The `Reduction` name of a device's optimizer step (`MemoryModel.step_bytes_per_param_byte`):
 compute on the device, not a message."""
+
+
+def _param_gathers(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec,
+                   params: Sequence[float]) -> list[Reduction]:
+    """A sharded state's broadcast overlapped with the step (`MemoryModel.overlap_param_gather`),
+    as the runtime issues it: from the step's start, per device one stage at a time in the order
+    of their first forwards there (a parameter tied across two of the device's stages goes with
+    the first), each an all-gather of the stage's parameters among the device's copies."""
+    stage_of = [0] * plan.num_layers
+    for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
+        for layer in range(start, end):
+            stage_of[layer] = stage
+    tied_in: list[list[tuple[int, float]]] = [[] for _ in range(plan.num_stages)]  # (tied index, bytes) per layer
+    for index, tied in enumerate(costs.tied):
+        for layer in tied.layers:
+            tied_in[stage_of[layer]].append((index, float(tied.bytes)))
+    gathers = []
+    for device, ops in enumerate(plan.device_ops):
+        sent: set[int] = set()
+        free = 0.0
+        seen: set[int] = set()
+        for op in ops:
+            if op.kind is not OpKind.F or op.stage in seen:
+                continue
+            seen.add(op.stage)
+            size = params[op.stage]
+            for index, size_of in tied_in[op.stage]:  # each tied layer counted the parameter: once a device
+                size -= size_of
+                if index not in sent:
+                    sent.add(index)
+                    size += size_of
+            if size > 0:
+                end = free + cluster.all_gather_ms(size) + cluster.message_overhead_ms
+                gathers.append(Reduction(f"{PARAM_GATHER} stage {op.stage}", (device,), free, end))
+                free = end
+    return gathers
 
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],

@@ -742,9 +742,10 @@ def test_train_and_dump_take_bf16_and_fp16_autocast(capsys):
 
 @pytest.mark.timeout(300)
 def test_train_with_data_parallel_replicas(capsys):
-    # the optimizer's state sharded over the replicas (ZeRO-1): each steps half of AdamW's
+    # the optimizer's state sharded over the replicas (ZeRO-1): each steps half of AdamW's, and
+    # the shares' broadcast overlaps the next step
     assert main(["train", "--model", "gemma", "--data-parallel", "2", "--schedule", "zb-h1", "--steps", "2",
-                 "--optimizer", "adamw", "--shard-optimizer", "--quiet"]) == EXIT_OK
+                 "--optimizer", "adamw", "--shard-optimizer", "--overlap-param-gather", "--quiet"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "2 replicas of this 2-rank pipeline (4 processes)" in out
     losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
@@ -758,6 +759,11 @@ def test_train_with_data_parallel_replicas(capsys):
                  "--torchrun"]) == EXIT_OK
     assert "--nproc-per-node 8" in (line := capsys.readouterr().out)
     assert line.rstrip().endswith("--data-parallel 2 --shard-optimizer")
+    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--nprocs", "8", "--shard-optimizer",
+                 "--overlap-param-gather", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--data-parallel 2 --shard-optimizer --overlap-param-gather")
+    assert main(["train", "--model", "gemma", "--data-parallel", "2", "--overlap-param-gather"]) == EXIT_ERROR
+    assert "give --shard-optimizer" in capsys.readouterr().err
     assert main(["train", "--model", "gemma", "--data-parallel", "3", "--nprocs", "4"]) == EXIT_ERROR
     assert "not a multiple of --data-parallel 3" in capsys.readouterr().err
 

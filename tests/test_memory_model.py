@@ -159,7 +159,7 @@ def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path,
     assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(4.0)
 
 
-def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimizer_state(capsys):
+def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimizer_state(tmp_path, capsys):
     # 8 layers of 2 GiB of weights on 8 H100s under a 24 GiB limit, AdamW (4 bytes per counted
     # byte): 4 replicas of 2 devices hold 8 GiB of weights each, 32 GiB with the state; sharded
     # over the 4 replicas (ZeRO-1), 2 + 2/4 bytes: 20 GiB, which fits
@@ -181,6 +181,22 @@ def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimi
     assert main(["plan", "--costs", "x.json", "--data-parallel", "2", "--shard-optimizer",
                  "--optimizer-shards", "2"]) != EXIT_OK
     assert "give one" in capsys.readouterr().err
+    # the shares' broadcast overlapped with the next step: saved with the plan, priced again by
+    # simulate, and refused without a sharded state
+    table, out = tmp_path / "costs.json", tmp_path / "plan.json"
+    costs.save(table)
+    assert main(["plan", "--costs", str(table), "--cluster", "h100x8", "--microbatches", "8", "--data-parallel", "2",
+                 "--shard-optimizer", "--overlap-param-gather", "--quiet", "--no-solver", "--effort", "0.05",
+                 "-o", str(out)]) == EXIT_OK
+    assert "each stage's forwards after its own (overlap_param_gather" in capsys.readouterr().out
+    assert load_saved_plan(out).memory == MemoryModel.for_optimizer("mixed-adam", 2, overlap_param_gather=True)
+    assert main(["simulate", str(out), "--costs", str(table)]) == EXIT_OK
+    assert "updated shares before its first forward (overlapped with the step)" in capsys.readouterr().out
+    assert main(["plan", "--costs", str(table), "--data-parallel", "auto", "--shard-optimizer",
+                 "--overlap-param-gather", "--quiet", "--no-solver", "--effort", "0.02"]) == EXIT_OK  # D=1 too
+    capsys.readouterr()
+    assert main(["plan", "--costs", str(table), "--data-parallel", "2", "--overlap-param-gather"]) != EXIT_OK
+    assert "give --shard-optimizer" in capsys.readouterr().err
 
 
 def test_the_optimizer_step_is_priced_where_asked_after_the_last_reduction_and_sharded_by_the_replicas(tmp_path,

@@ -419,6 +419,40 @@ device 1: 1F0 1B0
     assert act.end_ms - act.start_ms == pytest.approx(4.0)  # layer 1's 1 MB and layer 0's 3 MB
 
 
+def test_an_overlapped_parameter_gather_runs_from_the_step_start_before_each_stages_first_forward():
+    # a sharded state over 2 copies with overlap_param_gather: no broadcast at the end; per device
+    # from time 0 one all-gather per stage in the order of its first forwards (1 ms + half the
+    # bytes at 1 GB/s), the tied parameter with the first of the device's stages holding it, and
+    # each stage's forwards after its own
+    cluster = ClusterSpec(num_devices=4, devices_per_node=4, intra_node_bandwidth=1e9, latency_s=1e-3,
+                          message_overhead_ms=0.0).replica(2)
+    split = plan_of(FOUR_ON_TWO.format(d1=0, d2=1, d3=1, ops0="0F0 1F0 1B0 0B0", ops1="2F0 3F0 3B0 2B0"))
+    costs = tied_table(2_000_000, params=4_000_000)  # layers 0 and 3 also hold the 2 MB tied embedding
+    sharded = MemoryModel.for_optimizer("adamw", 2)
+    overlapped = MemoryModel.for_optimizer("adamw", 2, overlap_param_gather=True)
+    plain = simulate(split, costs, cluster, memory=sharded)
+    result = simulate(split, costs, cluster, memory=overlapped)
+    assert any(r.name == "data-parallel shard broadcast" for r in plain.reductions)
+    assert not any(r.name == "data-parallel shard broadcast" for r in result.reductions)
+    gathers = {r.name: (r.devices, r.start_ms, r.end_ms) for r in result.reductions
+               if r.name.startswith("data-parallel parameter gather")}
+    assert gathers == {"data-parallel parameter gather stage 0": ((0,), 0.0, pytest.approx(3.0)),
+                       "data-parallel parameter gather stage 1": ((0,), pytest.approx(3.0), pytest.approx(6.0)),
+                       "data-parallel parameter gather stage 2": ((1,), 0.0, pytest.approx(3.0)),
+                       "data-parallel parameter gather stage 3": ((1,), pytest.approx(3.0), pytest.approx(6.0))}
+    start = result.op_start
+    assert start[F(0, 0)] == pytest.approx(3.0) and start[F(1, 0)] == pytest.approx(6.0)
+    assert start[F(2, 0)] >= 3.0 and start[F(3, 0)] >= 6.0
+    # the gradients are still reduce-scattered after the backward, after the gathers
+    buckets = [r for r in result.reductions if r.name.startswith("data-parallel stage")]
+    assert len(buckets) == 4 and all(r.start_ms >= 6.0 for r in buckets)
+    assert result.iteration_ms == pytest.approx(max(r.end_ms for r in result.reductions))
+    assert iteration_time(split, costs, cluster, memory=overlapped)[0] == pytest.approx(result.iteration_ms)
+    assert "device 1's copies send each other stage 3's updated shares before its first forward" in str(result)
+    # the critical path starts where a forward waited for its gather rather than for an op
+    assert result.critical_path[0] == F(1, 0)
+
+
 def test_data_parallel_copies_sum_each_stages_gradients_once_its_backward_is_done():
     # 2 replicas of this 2-device pipeline on 4 devices of a node: each device all-reduces a
     # stage's gradients over its 2 copies once the stage's last B ran (beside the rest of its

@@ -58,7 +58,11 @@ None for the others'; `clip_grad_norm_` gathers the per-parameter terms of the n
 in the unsharded order. With 2 replicas (a sum of two is the same in any order) the updates, and
 the whole run, are those of the unsharded optimizer bit for bit; with more, to the rounding of the
 summation order. Every copy must step its optimizer each time (the broadcast is collective over
-the D copies).
+the D copies). With `overlap_param_gather=True` (Megatron's `--overlap-param-gather`) the step
+only starts the broadcasts, one per stage, owner and dtype, and each stage's first forward of the
+next `step` (or `evaluate`) waits for its own, so they run beside the forwards before it; reading,
+saving or loading the state waits for all of them, and `finish_param_sync()` does so for a caller
+that reads the parameters in between. The values, and the run, are those without it bit for bit.
 
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
@@ -238,6 +242,7 @@ class Engine:
         loss_scaler: amp.LossScaler | None = None,
         batch_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
         shard_optimizer: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -256,13 +261,25 @@ class Engine:
         every rank refuses a `step` or `evaluate` whose batch differs (another count of inputs, no
         target, another shape or dtype), not only the ranks that read the tensor that differs.
         `shard_optimizer`: split the optimizer's state over the D replicas (ZeRO-1; see the module
-        docstring); the optimizer must then be a factory, or one built over `optimizer_parameters()`."""
+        docstring); the optimizer must then be a factory, or one built over `optimizer_parameters()`.
+        `overlap_param_gather` (with `shard_optimizer`, Megatron's `--overlap-param-gather`): the
+        shares' broadcast after the step is left running, and each stage's parameters are waited
+        for only before its first forward of the next `step` or `evaluate` (see the module
+        docstring)."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
                                 f"divides the world size {world_size}")
         if not isinstance(shard_optimizer, bool):
             raise ArgumentError(f"rank {rank}: Engine(shard_optimizer={shard_optimizer!r}): must be True or False")
+        if not isinstance(overlap_param_gather, bool):
+            raise ArgumentError(f"rank {rank}: Engine(overlap_param_gather={overlap_param_gather!r}): must be True or "
+                                "False")
+        if overlap_param_gather and not shard_optimizer:
+            raise ArgumentError(f"rank {rank}: Engine(overlap_param_gather=True) overlaps the broadcast of a sharded "
+                                "optimizer's updated shares with the next step, but shard_optimizer is False (every "
+                                "replica steps every parameter: nothing is broadcast); pass shard_optimizer=True too, "
+                                "or leave overlap_param_gather off")
         self.replicas = Replicas(rank, world_size, data_parallel)
         self.shard_optimizer = shard_optimizer
         if program.rank != self.replicas.stage_rank or program.num_ranks != self.replicas.pipeline_size:
@@ -307,6 +324,12 @@ class Engine:
         self.shard_owners = self._shard_owners() if shard_optimizer else {}
         """With `shard_optimizer`: parameter (original name) -> the replica whose optimizer steps it."""
         self._shard_hook: Any = None
+        self.overlap_param_gather = overlap_param_gather and self.replicas.size > 1
+        self._gather_stage = self._first_forward_stages() if self.overlap_param_gather else {}
+        """With `overlap_param_gather`: parameter (original name) -> the stage of this rank whose
+        forward runs first among those holding it, whose first forward waits for its broadcast."""
+        self._gathering: dict[int, list[tuple[Pending, list[Tensor], Tensor, int]]] = {}
+        """With `overlap_param_gather`: per stage, its shares' broadcasts still running since the step."""
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
@@ -490,32 +513,66 @@ class Engine:
         pipeline rank, as they hold the same names and shapes."""
         return shard_owners({name: param.numel() for name, param in self._params.items()}, self.replicas.size)
 
+    def _first_forward_stages(self) -> dict[str, int]:
+        """Parameter (original name) -> the stage of this rank whose forward comes first in the
+        program among those holding it (`_gather_stage`)."""
+        first: dict[int, int] = {}
+        for position, instruction in enumerate(self.program.instructions):
+            if instruction.kind is InstrKind.FORWARD and instruction.stage is not None:
+                first.setdefault(instruction.stage, position)
+        order = sorted(self.stages, key=lambda index: (first.get(index, len(self.program.instructions)), index))
+        stage_of: dict[str, int] = {}
+        for index in order:
+            stage = self.stages[index]
+            for local, _ in stage.module.named_parameters(remove_duplicate=False):
+                stage_of.setdefault(stage.original_name(local), index)
+        return stage_of
+
     def _broadcast_shards(self) -> None:
         """After the sharded optimizer's step: each replica's updated parameters from it to the
-        other copies of this pipeline rank (a flat broadcast per owner and dtype)."""
+        other copies of this pipeline rank (a flat broadcast per owner and dtype; with
+        `overlap_param_gather` per stage, owner and dtype, left running until the stage's next
+        forward or `finish_param_sync`)."""
         if self.replicas.size == 1 or not dist.is_initialized():
             return
-        groups: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        self.finish_param_sync()  # (a second optimizer step before a forward: the first's land first)
+        groups: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
         for name, param in self._params.items():
             if param.requires_grad:  # a frozen one never changes
-                groups.setdefault((self.shard_owners[name], param.dtype), []).append(param)
-        started = []
+                stage = self._gather_stage[name] if self.overlap_param_gather else -1
+                groups.setdefault((stage, self.shard_owners[name], param.dtype), []).append(param)
         me = self.replicas.replica
-        for replica, dtype in sorted(groups, key=lambda key: (key[0], str(key[1]))):
-            params = groups[replica, dtype]
+        for stage, replica, dtype in sorted(groups, key=lambda key: (key[0], key[1], str(key[2]))):
+            params = groups[stage, replica, dtype]
             flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
                     torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
             src = self.replicas.data_ranks(self.replicas.stage_rank)[replica]
-            what = f"rank {self.rank}: optimizer step: the parameters replica {replica} updated (shard_optimizer)"
-            started.append((self.transport.broadcast(flat, src, what, self._data_group), params, flat, replica))
-        for pending, params, flat, replica in started:
-            self.transport.finish(pending)
-            if replica != me:
-                offset = 0
-                with torch.no_grad():
-                    for param in params:
-                        param.copy_(flat[offset:offset + param.numel()].view_as(param))
-                        offset += param.numel()
+            what = (f"rank {self.rank}: optimizer step: the parameters replica {replica} updated"
+                    + (f" on stage {stage} (shard_optimizer, overlap_param_gather)" if stage >= 0 else
+                       " (shard_optimizer)"))
+            pending = self.transport.broadcast(flat, src, what, self._data_group)
+            self._gathering.setdefault(stage, []).append((pending, params, flat, replica))
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self, stage: int | None = None) -> None:
+        """Wait for the updated shares broadcast after the last optimizer step (of stage `stage`
+        only, or all) and copy them into this copy's parameters. With `overlap_param_gather` the
+        engine calls it before each stage's first forward and before it reads, saves or loads
+        the parameters; call it yourself before reading their values outside the engine between
+        `optimizer.step()` and the next `step` (until then, the shares of the other replicas
+        hold the values before the step). Without it, the optimizer step has already waited."""
+        stages = [stage] if stage is not None else sorted(self._gathering)
+        me = self.replicas.replica
+        for index in stages:
+            for pending, params, flat, replica in self._gathering.pop(index, ()):
+                self.transport.finish(pending)
+                if replica != me:
+                    offset = 0
+                    with torch.no_grad():
+                        for param in params:
+                            param.copy_(flat[offset:offset + param.numel()].view_as(param))
+                            offset += param.numel()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
         """An optimizer over `optimizer_parameters()` (all of `parameters()` unless the state is
@@ -572,6 +629,7 @@ class Engine:
             self._shard_hook.remove()
             self._shard_hook = None
         if self.shard_optimizer and self.replicas.size > 1:
+            self.finish_param_sync()
             self._shard_hook = optimizer.register_step_post_hook(lambda *_: self._broadcast_shards())
         self.optimizer = optimizer
         return optimizer
@@ -732,6 +790,7 @@ class Engine:
                 raise
             except Exception as exc:
                 raise ExecutionError(f"rank {self.rank}: step {position} ({instruction}): {type(exc).__name__}: {exc}") from exc
+        self.finish_param_sync()  # (every stage has forwards: nothing is left, unless a stage never ran one)
         return self._loss
 
     def _where(self, instruction: Instruction) -> str:
@@ -812,6 +871,8 @@ class Engine:
     # compute
     def _forward(self, i: Instruction) -> None:
         index, m = i.stage, i.microbatch
+        if self._gathering:  # overlap_param_gather: this stage's updated shares, before its first forward
+            self.finish_param_sync(index)
         stage = self.stages[index]
         args: list[Tensor] = []
         received: dict[int, list[Tensor]] = {}
@@ -1123,6 +1184,7 @@ class Engine:
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard, keyed by original names (see the module docstring)."""
+        self.finish_param_sync()
         model = {name: p.detach() for name, p in self._params.items()}
         model.update({name: b.detach() for name, b in self.named_buffers()})
         state: dict[str, Any] = {"model": model}
@@ -1161,6 +1223,7 @@ class Engine:
             raise ArgumentError(f"rank {self.rank}: load_state_dict takes {{'model': {{name: tensor}}, 'optimizer': "
                                 f"..., }} as state_dict / gather_state_dict give it, got {keys}; a plain model's "
                                 "state dict goes in as {'model': model.state_dict()}")
+        self.finish_param_sync()  # a broadcast still running would overwrite what is loaded
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
         if self.optimizer is not None and "optimizer" in state:
@@ -1187,6 +1250,7 @@ class Engine:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
         replicas, replica 0's ranks hold it all; the others send only their dropout streams, and
         with `shard_optimizer` their share of the optimizer's state."""
+        self.finish_param_sync()
         if self.replicas.replica == 0:
             shard = self.state_dict()
         else:
