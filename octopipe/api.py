@@ -694,6 +694,8 @@ class Pipeline:
     """compile's `shard_optimizer`: every engine splits its optimizer's state over the replicas."""
     overlap_param_gather: bool = False
     """compile's `overlap_param_gather`: every engine overlaps the shares' broadcast with the next step."""
+    master_weights: bool = False
+    """compile's `master_weights`: every engine's optimizer steps fp32 copies of the bf16 weights."""
 
     @property
     def microbatch_size(self) -> int | None:
@@ -713,8 +715,8 @@ class Pipeline:
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
         `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast,
-        shard_optimizer, overlap_param_gather: see there; loss_weight, autocast, shard_optimizer and
-        overlap_param_gather default to compile's,
+        shard_optimizer, overlap_param_gather, master_weights: see there; loss_weight, autocast,
+        shard_optimizer, overlap_param_gather and master_weights default to compile's,
         and an autocast other than compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.amp import autocast_dtype
@@ -740,6 +742,7 @@ class Pipeline:
         options.setdefault("batch_specs", self.batch_specs)
         options.setdefault("shard_optimizer", self.shard_optimizer)
         options.setdefault("overlap_param_gather", self.overlap_param_gather)
+        options.setdefault("master_weights", self.master_weights)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -924,6 +927,7 @@ def compile(
     optimizer: str | None = None,
     shard_optimizer: bool = False,
     overlap_param_gather: bool = False,
+    master_weights: bool = False,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -984,7 +988,14 @@ def compile(
     overlap_param_gather: with shard_optimizer (Megatron's `--overlap-param-gather`), that
     broadcast runs beside the next step instead of ending this one: each stage's first forward
     waits for its own share, and the simulation (so the search) prices it there
-    (`MemoryModel.overlap_param_gather`); the same values, bit for bit."""
+    (`MemoryModel.overlap_param_gather`); the same values, bit for bit.
+    master_weights (Megatron's `--bf16`, for a model whose weights are bf16: `model.bfloat16()`):
+    every engine's optimizer steps an fp32 copy of each bf16 weight and rounds the weight from it
+    after each step (see `runtime/engine.py`); `optimizer`'s memory then counts the copy and the
+    optimizer's fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; the default
+    mixed-precision Adam already is this)."""
+    import torch
+
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
     from octopipe.passes.lower import lower
     from octopipe.passes.trace import kept_buffers, selective_hazards, trace
@@ -1004,6 +1015,8 @@ def compile(
         raise ArgumentError(f"compile: shard_optimizer must be True or False, got {shard_optimizer!r:.40}")
     if not isinstance(overlap_param_gather, bool):
         raise ArgumentError(f"compile: overlap_param_gather must be True or False, got {overlap_param_gather!r:.40}")
+    if not isinstance(master_weights, bool):
+        raise ArgumentError(f"compile: master_weights must be True or False, got {master_weights!r:.40}")
     if overlap_param_gather and not shard_optimizer:
         raise ArgumentError("compile: overlap_param_gather=True overlaps the broadcast of a sharded optimizer's "
                             "updated shares with the next step, but shard_optimizer is False (nothing is "
@@ -1071,7 +1084,14 @@ def compile(
         hazards = selective_hazards(graph)
         table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
         if optimizer is not None:
-            memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1)
+            memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1,
+                                       master_weights=master_weights)
+        if master_weights and not any(p.requires_grad and p.dtype is torch.bfloat16 for p in model.parameters()):
+            dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
+            raise ArgumentError(f"compile: master_weights=True keeps fp32 copies of the model's bf16 weights for the "
+                                f"optimizer, but none of its weights that train is bf16 ({', '.join(dtypes) or 'none'}); "
+                                "cast the model first (model.bfloat16()), or leave master_weights off (fp32 weights "
+                                "train under autocast='bf16' without copies)")
         if overlap_param_gather and data_parallel > 1:
             memory = replace(memory, overlap_param_gather=True)  # (sharded above: shards = data_parallel)
         report = None
@@ -1130,7 +1150,7 @@ def compile(
         specs = tuple((tuple(t.shape), t.dtype) for t in (*inputs, example_target))  # (a target is guessed if not given)
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
                         seconds, loss_weight, runners_up, autocast, data_parallel, specs, shard_optimizer,
-                        overlap_param_gather)
+                        overlap_param_gather, master_weights)
 
 
 @dataclass
@@ -1517,20 +1537,22 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
 
 
 def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel, shards: int = 1,
-                      price_step: bool = False) -> MemoryModel:
+                      price_step: bool = False, master_weights: bool = False) -> MemoryModel:
     """`memory` with the state of `optimizer` (its own part over `shards` replicas) for `model`'s
     own weights: the bytes per weight they are held in, against what `table` counts per weight
     (its param_bytes, each tied parameter once, over the model's weight count); `price_step`:
-    its step's traffic too (`MemoryModel.step_bytes_per_param_byte`)."""
+    its step's traffic too (`MemoryModel.step_bytes_per_param_byte`); `master_weights`: the
+    optimizer steps fp32 copies of the weights (`MemoryModel.for_optimizer`)."""
     weights = list(model.parameters())  # (a parameter two modules share, once)
     count = sum(p.numel() for p in weights)
     counted = sum(table.params) - sum((len(tied.layers) - 1) * tied.bytes for tied in table.tied)
     if count == 0 or counted <= 0:  # no weights the table counts: nothing to size (the state is 0 bytes)
-        state = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
+        state = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights)
     else:
         held = sum(p.numel() * p.element_size() for p in weights)
         state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
-                                          weight_bytes=held / count, price_step=price_step)
+                                          weight_bytes=held / count, price_step=price_step,
+                                          master_weights=master_weights)
     return replace(memory, state_bytes_per_param_byte=state.state_bytes_per_param_byte, shards=shards,
                    step_bytes_per_param_byte=state.step_bytes_per_param_byte)
 

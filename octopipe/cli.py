@@ -263,6 +263,11 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
     return cluster
 
 
+def _weights_dtype(args: argparse.Namespace, model: Any) -> Any:
+    """`train --bf16-weights`: the model cast to bf16 (the engines keep fp32 copies for the optimizer)."""
+    return model.bfloat16() if getattr(args, "bf16_weights", False) else model
+
+
 def _load_model(args: argparse.Namespace):
     """(model, inputs, target, loss_fn) from --model: a built-in name (with --size, --set,
     --batch-size, --seq-len) or `module:factory`, a function of no arguments that returns a dict
@@ -281,7 +286,7 @@ def _load_model(args: argparse.Namespace):
             torch.manual_seed(0)
             model = models.build(spec, args.size, **_overrides(spec, args.size, args.set))
             inputs, target = _builtin_batch(args)
-        return model, inputs, target, models.lm_loss
+        return _weights_dtype(args, model), inputs, target, models.lm_loss
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or "
@@ -326,7 +331,7 @@ def _load_model(args: argparse.Namespace):
         raise OctopipeError(f"--model {spec!r}: 'target' must be a tensor (one batch of targets), got {_kind(target)}")
     if not callable(loss_fn):
         raise OctopipeError(f"--model {spec!r}: 'loss_fn' must be a function loss_fn(output, target), got {_kind(loss_fn)}")
-    return made["model"], inputs, target, loss_fn
+    return _weights_dtype(args, made["model"]), inputs, target, loss_fn
 
 
 def _need_target(args: argparse.Namespace, target: Any) -> None:
@@ -834,7 +839,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
-                            overlap_param_gather=args.overlap_param_gather)
+                            overlap_param_gather=args.overlap_param_gather,
+                            master_weights=args.bf16_weights)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -920,7 +926,8 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
                                        num_microbatches=pipe.num_microbatches, costs=pipe.costs, plan=plan, quiet=True,
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
                                        memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer,
-                                       overlap_param_gather=pipe.overlap_param_gather)
+                                       overlap_param_gather=pipe.overlap_param_gather,
+                                       master_weights=pipe.master_weights)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -1011,7 +1018,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel,
                                      optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
-                            overlap_param_gather=args.overlap_param_gather)
+                            overlap_param_gather=args.overlap_param_gather,
+                            master_weights=args.bf16_weights)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1029,7 +1037,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             num_microbatches=args.microbatches, plan=PipelinePlan.parse(plan_text[0]), quiet=True,
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
-                            overlap_param_gather=args.overlap_param_gather)
+                            overlap_param_gather=args.overlap_param_gather,
+                            master_weights=args.bf16_weights)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1119,7 +1128,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
-                                    ("--overlap-param-gather", args.overlap_param_gather), ("--profile", args.profile),
+                                    ("--overlap-param-gather", args.overlap_param_gather),
+                                    ("--bf16-weights", args.bf16_weights), ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -1216,7 +1226,8 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
                          num_microbatches=args.microbatches, plan=plan, schedule=args.schedule, quiet=True,
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
                          optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
-                            overlap_param_gather=args.overlap_param_gather)
+                            overlap_param_gather=args.overlap_param_gather,
+                            master_weights=args.bf16_weights)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1372,6 +1383,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --shard-optimizer: leave the shares' broadcast after each step running beside the next "
                         "step, each stage's first forward waiting for its own (Megatron's --overlap-param-gather); "
                         "the same updates, and the plan prices it so")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="train the model's weights in bf16, the optimizer stepping fp32 copies of them (Megatron's "
+                        "--bf16): forwards, backwards and gradients in bf16, each weight rounded from its copy after "
+                        "the step; the plan's memory counts the copies (--init loads the weights, rounded to bf16)")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

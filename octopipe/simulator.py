@@ -130,7 +130,7 @@ class MemoryModel:
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
                       weight_bytes: float | None = None, price_step: bool = False,
-                      overlap_param_gather: bool = False) -> MemoryModel:
+                      overlap_param_gather: bool = False, master_weights: bool = False) -> MemoryModel:
         """The memory of a job stepping optimizer `name` (an OPTIMIZER_STATE key).
         `param_bytes_per_weight`: what the cost table's `param_bytes` count per weight (2, bf16,
         in the published profiles and analytic costs; the element size in a table profiled on the
@@ -144,8 +144,12 @@ class MemoryModel:
         the weight's bytes (28 per weight for fp32 Adam; mixed-adam 28, `MIXED_ADAM_STEP_BYTES`),
         over `shards` where each replica steps its share. `overlap_param_gather`: the shares'
         broadcast overlaps the next step's forwards (`MemoryModel.overlap_param_gather`; needs
-        `shards` > 1)."""
-        for what, flag in (("price_step", price_step), ("overlap_param_gather", overlap_param_gather)):
+        `shards` > 1). `master_weights`: the optimizer steps an fp32 copy of each (bf16) weight
+        (`Engine(master_weights=True)`): its own state is then that copy and its moments in fp32,
+        4 + 4k bytes a weight, and its step reads the gradient, copy and moments and writes the
+        copy, moments and weight ((2 x the weight's bytes) + 8 + 8k); mixed-adam is this already."""
+        for what, flag in (("price_step", price_step), ("overlap_param_gather", overlap_param_gather),
+                           ("master_weights", master_weights)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be True or False, got {flag!r:.40}")
         if name not in OPTIMIZER_STATE:
@@ -163,6 +167,10 @@ class MemoryModel:
         if moments is None:
             held, own = MIXED_ADAM_BYTES
             traffic = MIXED_ADAM_STEP_BYTES
+        elif master_weights:
+            size = param_bytes_per_weight if weight_bytes is None else weight_bytes
+            held, own = 2 * size, 4.0 * (1 + moments)
+            traffic = 2 * size + 8.0 * (1 + moments)
         else:
             size = param_bytes_per_weight if weight_bytes is None else weight_bytes
             held, own = 2 * size, moments * size

@@ -768,6 +768,23 @@ def test_train_with_data_parallel_replicas(capsys):
     assert "not a multiple of --data-parallel 3" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(300)
+def test_train_bf16_weights_with_fp32_copies(capsys):
+    # Megatron's --bf16: the weights in bf16, the optimizer stepping fp32 copies, sharded too
+    assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
+                 "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+    losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
+    assert len(losses) == 3 and losses[2] < losses[0]
+    assert main(["train", "--model", "llama", "--data-parallel", "2", "--steps", "3", "--optimizer", "adamw",
+                 "--bf16-weights", "--shard-optimizer", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+    # every replica trains on the same batch here: one pipeline's losses, to bf16's rounding (each
+    # replica's gradients are weighed 1/2 before they are summed, in bf16)
+    sharded = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
+    assert sharded[0] == losses[0] and sharded == pytest.approx(losses, rel=1e-2)
+    assert main(["train", "--model", "llama", "--bf16-weights", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--bf16-weights")
+
+
 def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     assert main(["plan", "--effort", "0.05", "--costs", str(PROFILE), "--cluster", "h100x16", "--data-parallel", "2", "--microbatches",

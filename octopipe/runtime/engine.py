@@ -64,6 +64,17 @@ next `step` (or `evaluate`) waits for its own, so they run beside the forwards b
 saving or loading the state waits for all of them, and `finish_param_sync()` does so for a caller
 that reads the parameters in between. The values, and the run, are those without it bit for bit.
 
+Master weights (`master_weights=True`, Megatron's `--bf16` with its fp32 main parameters): for a
+model whose weights are bf16, the optimizer steps an fp32 copy of each bf16 weight that trains
+(`optimizer_parameters()` gives the copies, built when the optimizer is attached; with
+`shard_optimizer` only this replica's share has them). Forwards, backwards, the gradients and
+their reductions stay bf16, as the weights; before the optimizer's step each copy's gradient is
+its weight's cast up (after clipping), and after it each weight is rounded from its copy, before
+a sharded state sends it on. The copies are checkpointed in the optimizer's state (`MASTER_KEY`
+beside each entry) and restored by `load_state_dict`; where a checkpoint has none the copies take
+the loaded weights. Memory: the bf16 weight and gradient plus the fp32 copy and the optimizer's
+fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; mixed-adam is this with Adam).
+
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
 
@@ -243,6 +254,7 @@ class Engine:
         batch_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
         shard_optimizer: bool = False,
         overlap_param_gather: bool = False,
+        master_weights: bool = False,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -265,6 +277,9 @@ class Engine:
         `overlap_param_gather` (with `shard_optimizer`, Megatron's `--overlap-param-gather`): the
         shares' broadcast after the step is left running, and each stage's parameters are waited
         for only before its first forward of the next `step` or `evaluate` (see the module
+        docstring). `master_weights` (Megatron's `--bf16`): the optimizer steps an fp32 copy of
+        each bf16 parameter (of this replica's share, with `shard_optimizer`), given the bf16
+        gradients cast up, and the bf16 weights are set from it after each step (see the module
         docstring)."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
@@ -275,6 +290,8 @@ class Engine:
         if not isinstance(overlap_param_gather, bool):
             raise ArgumentError(f"rank {rank}: Engine(overlap_param_gather={overlap_param_gather!r}): must be True or "
                                 "False")
+        if not isinstance(master_weights, bool):
+            raise ArgumentError(f"rank {rank}: Engine(master_weights={master_weights!r}): must be True or False")
         if overlap_param_gather and not shard_optimizer:
             raise ArgumentError(f"rank {rank}: Engine(overlap_param_gather=True) overlaps the broadcast of a sharded "
                                 "optimizer's updated shares with the next step, but shard_optimizer is False (every "
@@ -323,13 +340,26 @@ class Engine:
         self._params = self._tie_local_parameters()
         self.shard_owners = self._shard_owners() if shard_optimizer else {}
         """With `shard_optimizer`: parameter (original name) -> the replica whose optimizer steps it."""
-        self._shard_hook: Any = None
         self.overlap_param_gather = overlap_param_gather and self.replicas.size > 1
         self._gather_stage = self._first_forward_stages() if self.overlap_param_gather else {}
         """With `overlap_param_gather`: parameter (original name) -> the stage of this rank whose
         forward runs first among those holding it, whose first forward waits for its broadcast."""
         self._gathering: dict[int, list[tuple[Pending, list[Tensor], Tensor, int]]] = {}
         """With `overlap_param_gather`: per stage, its shares' broadcasts still running since the step."""
+        self.master_weights = master_weights
+        if master_weights:
+            low = sorted(name for name, param in self._params.items()
+                         if param.is_floating_point() and param.dtype not in (torch.float32, torch.bfloat16,
+                                                                              torch.float64))
+            if low:
+                raise ArgumentError(f"rank {rank}: Engine(master_weights=True) keeps fp32 copies of bf16 weights, but "
+                                    f"{low[0]!r} is {self._params[low[0]].dtype} (fp16 weights would need their "
+                                    "gradients loss-scaled); cast the model to torch.bfloat16, or keep fp32 weights "
+                                    "and train under autocast='fp16'")
+        self._masters: dict[str, nn.Parameter] = {}
+        """With `master_weights`: original name -> the fp32 copy the optimizer steps, for each bf16
+        parameter that trains in this replica's share (built by `optimizer_parameters`)."""
+        self._optimizer_hooks: list[Any] = []
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
@@ -503,10 +533,45 @@ class Engine:
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank's optimizer steps: `parameters()`, or with `shard_optimizer`
-        this replica's share of them (`shard_owners`)."""
-        if not self.shard_optimizer:
-            return self.parameters()
-        return [param for name, param in self._params.items() if self.shard_owners[name] == self.replicas.replica]
+        this replica's share of them (`shard_owners`); with `master_weights`, a bf16 one's fp32
+        copy in its place (`master_parameters`)."""
+        mine = self.replicas.replica
+        names = [name for name in self._params if not self.shard_optimizer or self.shard_owners[name] == mine]
+        if self.master_weights:
+            for name in names:
+                param = self._params[name]
+                if name not in self._masters and param.requires_grad and param.dtype is torch.bfloat16:
+                    self._masters[name] = nn.Parameter(param.detach().float().clone())
+        return [self._masters.get(name, self._params[name]) for name in names]
+
+    def master_parameters(self) -> dict[str, nn.Parameter]:
+        """With `master_weights`: original name -> the fp32 copy the optimizer steps, for this
+        replica's bf16 parameters that train (empty before an optimizer is attached)."""
+        return dict(self._masters)
+
+    def _optimizer_named(self) -> dict[str, nn.Parameter]:
+        """Original name -> what the optimizer steps for it (its master copy, else the parameter)."""
+        return {name: self._masters.get(name, param) for name, param in self._params.items()}
+
+    def _grads_to_masters(self) -> None:
+        """Before the optimizer's step: each master copy's gradient, its bf16 parameter's cast up."""
+        for name, master in self._masters.items():
+            grad = self._params[name].grad
+            master.grad = None if grad is None else grad.detach().float()
+
+    def _masters_to_params(self) -> None:
+        """After the optimizer's step: each bf16 parameter rounded from its updated master copy."""
+        with torch.no_grad():
+            for name, master in self._masters.items():
+                self._params[name].copy_(master)
+
+    def _named_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state by original name, each master copy's values beside its entry
+        (`MASTER_KEY`), so a checkpoint keeps the fp32 weights, not only their bf16 rounding."""
+        named = named_optimizer_state(self.optimizer, self._optimizer_named())  # type: ignore[arg-type]
+        for name, master in self._masters.items():
+            named["state"][name] = {**named["state"].get(name, {}), MASTER_KEY: master.detach()}
+        return named
 
     def _shard_owners(self) -> dict[str, int]:
         """Each parameter's owning replica (`shard_owners`): the same on every copy of this
@@ -617,6 +682,12 @@ class Engine:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in own:
+                    if self._masters and any(param is p for p in self._params.values()):
+                        raise ExecutionError(
+                            f"rank {self.rank}: the optimizer steps a bf16 weight itself, but master_weights keeps "
+                            "an fp32 copy of each for the optimizer; build it over engine.optimizer_parameters() "
+                            "(the copies), or pass a factory (lambda params: torch.optim.AdamW(params, ...)), which "
+                            "gets them")
                     if self.shard_optimizer and any(param is p for p in self._params.values()):
                         raise ExecutionError(
                             f"rank {self.rank}: the optimizer holds a parameter another replica's optimizer steps "
@@ -625,17 +696,20 @@ class Engine:
                             "torch.optim.AdamW(params, ...)), which gets them")
                     raise ExecutionError(f"rank {self.rank}: the optimizer holds a parameter this rank does not "
                                          "(build it over engine.optimizer_parameters())")
-        if self._shard_hook is not None:  # an optimizer attached before: its broadcast goes with it
-            self._shard_hook.remove()
-            self._shard_hook = None
+        for hook in self._optimizer_hooks:  # an optimizer attached before: its hooks go with it
+            hook.remove()
+        self._optimizer_hooks = []
+        if self._masters:  # (in this order: the bf16 weights are set before a sharded state sends them)
+            self._optimizer_hooks += [optimizer.register_step_pre_hook(lambda *_: self._grads_to_masters()),
+                                      optimizer.register_step_post_hook(lambda *_: self._masters_to_params())]
         if self.shard_optimizer and self.replicas.size > 1:
             self.finish_param_sync()
-            self._shard_hook = optimizer.register_step_post_hook(lambda *_: self._broadcast_shards())
+            self._optimizer_hooks.append(optimizer.register_step_post_hook(lambda *_: self._broadcast_shards()))
         self.optimizer = optimizer
         return optimizer
 
     def zero_grad(self) -> None:
-        for param in self._params.values():
+        for param in (*self._params.values(), *self._masters.values()):
             param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -1189,7 +1263,7 @@ class Engine:
         model.update({name: b.detach() for name, b in self.named_buffers()})
         state: dict[str, Any] = {"model": model}
         if self.optimizer is not None:
-            state["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
+            state["optimizer"] = self._named_optimizer_state()
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
         state["random"] = self._streams()
@@ -1226,8 +1300,13 @@ class Engine:
         self.finish_param_sync()  # a broadcast still running would overwrite what is loaded
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
+        saved = state["optimizer"]["state"] if isinstance(state.get("optimizer"), Mapping) else {}
+        with torch.no_grad():  # the master copies: the saved fp32 values, else the loaded weights
+            for name, master in self._masters.items():
+                value = saved.get(name, {}).get(MASTER_KEY) if isinstance(saved.get(name), Mapping) else None
+                master.copy_(value if value is not None else self._params[name])
         if self.optimizer is not None and "optimizer" in state:
-            load_optimizer_state(self.optimizer, dict(self.named_parameters()), state["optimizer"],
+            load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
                                  f"rank {self.rank}: load_state_dict")
         elif "optimizer" in state and self._params:
             warnings.warn(f"rank {self.rank}: load_state_dict: the state holds optimizer state but this engine has no "
@@ -1256,7 +1335,7 @@ class Engine:
         else:
             shard = {"model": {}, "random": self._streams()}
             if self.shard_optimizer and self.optimizer is not None:
-                shard["optimizer"] = named_optimizer_state(self.optimizer, dict(self.named_parameters()))
+                shard["optimizer"] = self._named_optimizer_state()
         if self.world_size == 1 or not dist.is_initialized():
             return merge_state_dicts([shard])
         cpu_shard = _to_cpu(shard)
@@ -1326,9 +1405,15 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
     }
 
 
+MASTER_KEY = "master"
+"""Where a named optimizer state keeps a master copy's fp32 values (`Engine(master_weights=True)`)."""
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
                          state: Mapping[str, Any], where: str = "load_optimizer_state") -> None:
-    """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`."""
+    """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`
+    (a master copy's values saved beside an entry are not the optimizer's: `load_state_dict`
+    and `load_into_model` take them)."""
     name_of = {id(p): name for name, p in named_parameters.items()}
     groups = state["param_groups"]
     if len(groups) != len(optimizer.param_groups):
@@ -1343,7 +1428,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
         for param in group["params"]:
             name = None if getattr(param, _STAND_IN, False) else name_of[id(param)]
             if name in state["state"]:
-                raw_state[position] = state["state"][name]
+                raw_state[position] = {k: v for k, v in state["state"][name].items() if k != MASTER_KEY}
             positions.append(position)
             position += 1
         raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
@@ -1428,8 +1513,13 @@ def _stage_stream(index: int, device: torch.device) -> tuple[Tensor, Tensor | No
 def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
     """Put a merged state into the plain model (and its optimizer): names are the model's own
     (tied parameters under their first name)."""
-    entries = state["model"]
+    entries = dict(state["model"])
     named = dict(model.named_parameters())
+    saved = state["optimizer"]["state"] if isinstance(state.get("optimizer"), Mapping) else {}
+    for name, param in named.items():  # an fp32 weight takes a master copy's fp32 values where saved
+        master = saved.get(name, {}).get(MASTER_KEY) if isinstance(saved.get(name), Mapping) else None
+        if master is not None and param.dtype == master.dtype:
+            entries[name] = master
     tensors = [*((name, param, True) for name, param in named.items()),
                *((name, buffer, False) for name, buffer in model.named_buffers())]
     load_named(tensors, entries, 0, "state")
