@@ -263,9 +263,12 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
     return cluster
 
 
-def _weights_dtype(args: argparse.Namespace, model: Any) -> Any:
-    """`train --bf16-weights`: the model cast to bf16 (the engines keep fp32 copies for the optimizer)."""
-    return model.bfloat16() if getattr(args, "bf16_weights", False) else model
+def _weights_dtype(args: argparse.Namespace, model: Any, inputs: tuple) -> tuple[Any, tuple]:
+    """`train --bf16-weights`: the model cast to bf16 (the engines keep fp32 copies for the
+    optimizer), and its floating-point inputs with it (a vision model's pixels)."""
+    if not getattr(args, "bf16_weights", False):
+        return model, inputs
+    return model.bfloat16(), tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
 
 
 def _load_model(args: argparse.Namespace):
@@ -286,7 +289,7 @@ def _load_model(args: argparse.Namespace):
             torch.manual_seed(0)
             model = models.build(spec, args.size, **_overrides(spec, args.size, args.set))
             inputs, target = _builtin_batch(args)
-        return _weights_dtype(args, model), inputs, target, models.lm_loss
+        return (*_weights_dtype(args, model, inputs), target, models.lm_loss)
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         raise OctopipeError(f"--model {spec!r}: use a built-in model ({', '.join(models.MODEL_NAMES)}) or "
@@ -331,7 +334,7 @@ def _load_model(args: argparse.Namespace):
         raise OctopipeError(f"--model {spec!r}: 'target' must be a tensor (one batch of targets), got {_kind(target)}")
     if not callable(loss_fn):
         raise OctopipeError(f"--model {spec!r}: 'loss_fn' must be a function loss_fn(output, target), got {_kind(loss_fn)}")
-    return _weights_dtype(args, made["model"]), inputs, target, loss_fn
+    return (*_weights_dtype(args, made["model"], inputs), target, loss_fn)
 
 
 def _need_target(args: argparse.Namespace, target: Any) -> None:
@@ -1088,7 +1091,10 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
 
     if args.model in models.MODEL_NAMES:
         with torch.device("cpu"):
-            return _builtin_batch(args)
+            inputs, target = _builtin_batch(args)
+        if getattr(args, "bf16_weights", False):  # (as _load_model casts them)
+            inputs = tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
+        return inputs, target
     if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
         raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
                             "batch (the model alone may be on meta)")

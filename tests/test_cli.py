@@ -781,6 +781,10 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     # replica's gradients are weighed 1/2 before they are summed, in bf16)
     sharded = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
     assert sharded[0] == losses[0] and sharded == pytest.approx(losses, rel=1e-2)
+    # a vision model's pixels are cast with its weights
+    assert main(["train", "--model", "multimodal", "--steps", "2", "--bf16-weights", "--schedule", "1f1b",
+                 "--quiet"]) == EXIT_OK
+    capsys.readouterr()
     assert main(["train", "--model", "llama", "--bf16-weights", "--torchrun"]) == EXIT_OK
     assert capsys.readouterr().out.rstrip().endswith("--bf16-weights")
 
