@@ -1300,10 +1300,9 @@ class Engine:
         self.finish_param_sync()  # a broadcast still running would overwrite what is loaded
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
-        saved = state["optimizer"]["state"] if isinstance(state.get("optimizer"), Mapping) else {}
         with torch.no_grad():  # the master copies: the saved fp32 values, else the loaded weights
             for name, master in self._masters.items():
-                value = saved.get(name, {}).get(MASTER_KEY) if isinstance(saved.get(name), Mapping) else None
+                value = saved_master(state, name)
                 master.copy_(value if value is not None else self._params[name])
         if self.optimizer is not None and "optimizer" in state:
             load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
@@ -1407,6 +1406,13 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
 
 MASTER_KEY = "master"
 """Where a named optimizer state keeps a master copy's fp32 values (`Engine(master_weights=True)`)."""
+
+
+def saved_master(state: Mapping[str, Any], name: str) -> Tensor | None:
+    """The master copy of parameter `name` that a merged or shard state holds, or None."""
+    optimizer = state.get("optimizer")
+    entry = optimizer.get("state", {}).get(name) if isinstance(optimizer, Mapping) else None
+    return entry.get(MASTER_KEY) if isinstance(entry, Mapping) else None
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
@@ -1515,9 +1521,8 @@ def load_into_model(model: nn.Module, state: Mapping[str, Any], optimizer: torch
     (tied parameters under their first name)."""
     entries = dict(state["model"])
     named = dict(model.named_parameters())
-    saved = state["optimizer"]["state"] if isinstance(state.get("optimizer"), Mapping) else {}
     for name, param in named.items():  # an fp32 weight takes a master copy's fp32 values where saved
-        master = saved.get(name, {}).get(MASTER_KEY) if isinstance(saved.get(name), Mapping) else None
+        master = saved_master(state, name)
         if master is not None and param.dtype == master.dtype:
             entries[name] = master
     tensors = [*((name, param, True) for name, param in named.items()),
