@@ -848,9 +848,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
     if pipe.data_parallel > 1:
+        sharded = (("; the optimizer's state sharded over them (ZeRO-1), each share's update "
+                    + ("broadcast beside the next step" if pipe.overlap_param_gather else "broadcast after the step"))
+                   if pipe.shard_optimizer else "")
         print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
               f"processes), each on the same batch here; summing their gradients takes up to "
-              f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction)")
+              f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction){sharded}")
+    if pipe.master_weights:
+        print("bf16 weights and gradients; the optimizer steps fp32 copies of the weights (--bf16-weights)")
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,

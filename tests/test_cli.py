@@ -748,6 +748,7 @@ def test_train_with_data_parallel_replicas(capsys):
                  "--optimizer", "adamw", "--shard-optimizer", "--overlap-param-gather", "--quiet"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "2 replicas of this 2-rank pipeline (4 processes)" in out
+    assert "the optimizer's state sharded over them (ZeRO-1), each share's update broadcast beside the next step" in out
     losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
     # every replica trains on the same batch here: the losses of one pipeline alone, after the
     # sharded update too
@@ -773,7 +774,9 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     # Megatron's --bf16: the weights in bf16, the optimizer stepping fp32 copies, sharded too
     assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
                  "--schedule", "1f1b", "--quiet"]) == EXIT_OK
-    losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
+    out = capsys.readouterr().out
+    assert "the optimizer steps fp32 copies of the weights" in out
+    losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] < losses[0]
     assert main(["train", "--model", "llama", "--data-parallel", "2", "--steps", "3", "--optimizer", "adamw",
                  "--bf16-weights", "--shard-optimizer", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
