@@ -1069,7 +1069,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
             print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms", flush=True)

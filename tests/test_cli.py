@@ -1155,14 +1155,17 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys):
+@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights"]])
+def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys, extra):
     # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
+    # (then beside the next step, and from fp32 copies of bf16 weights: stop 44's first torchrun
+    # path zeroed only the copies' gradients, and its fourth loss differed from local train's)
     words = ["train", "--model", "gemma", "--nprocs", "2", "--data-parallel", "2", "--schedule", "1f1b",
-             "--microbatches", "2", "--steps", "3", "--optimizer", "adamw", "--lr", "0.01", "--shard-optimizer",
-             "--quiet"]
+             "--microbatches", "2", "--steps", "5", "--optimizer", "adamw", "--lr", "0.01", "--shard-optimizer",
+             "--quiet", *extra]
     assert main(words) == EXIT_OK
     local = [line.split()[3] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     proc = _torchrun(words, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(local) == 3 and local == ranks and len(set(local)) == 3, (local, ranks)
+    assert len(local) == 5 and local == ranks and len(set(local)) == 5, (local, ranks)

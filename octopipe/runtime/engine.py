@@ -560,10 +560,12 @@ class Engine:
             master.grad = None if grad is None else grad.detach().float()
 
     def _masters_to_params(self) -> None:
-        """After the optimizer's step: each bf16 parameter rounded from its updated master copy."""
+        """After the optimizer's step: each bf16 parameter rounded from its updated master copy,
+        and the copy's fp32 gradient dropped (cast again from the next step's)."""
         with torch.no_grad():
             for name, master in self._masters.items():
                 self._params[name].copy_(master)
+                master.grad = None
 
     def _named_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state by original name, each master copy's values beside its entry
