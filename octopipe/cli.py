@@ -578,11 +578,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    solver=not args.no_solver, min_gain=args.min_gain / 100, recompute=not args.no_recompute)
     if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
         options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs,
-                                                        args.price_optimizer_step, args.overlap_param_gather)
+                                                        args.price_optimizer_step, args.overlap_param_gather,
+                                                        args.bf16_weights)
     else:
         shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
         options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step,
-                                          args.overlap_param_gather)
+                                          args.overlap_param_gather, args.bf16_weights)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -877,21 +878,22 @@ import torch)."""
 
 
 def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False,
-                  overlap: bool = False) -> Any:
+                  overlap: bool = False, master_weights: bool = False) -> Any:
     """`plan --optimizer`'s memory model: for a --model (`graph`), sized from its own weights as
     `compile(optimizer=...)` and train size it; for a cost table, on weights held in the dtype it
     counts. `price_step`: with the step's traffic (`plan --price-optimizer-step`); `overlap`: the
     shares' broadcast overlapped with the next step (`plan --overlap-param-gather`; with one
-    shard, as `--data-parallel auto`'s single replica has, nothing is broadcast)."""
+    shard, as `--data-parallel auto`'s single replica has, nothing is broadcast); `master_weights`:
+    the optimizer steps fp32 copies of bf16 weights (`plan --bf16-weights`, as train runs them)."""
     from dataclasses import replace
 
     from octopipe.api import _optimizer_memory
     from octopipe.simulator import MemoryModel
 
     if graph is not None and graph.module is not None:
-        memory = _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step)
+        memory = _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step, master_weights)
     else:
-        memory = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step)
+        memory = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights)
     return replace(memory, overlap_param_gather=overlap and shards > 1)
 
 
@@ -1324,6 +1326,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --shard-optimizer: price the shares' broadcast beside the next step (each stage's first "
                         "forward waits for its own) instead of at the step's end, as train --overlap-param-gather "
                         "runs it (Megatron's --overlap-param-gather)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="the job trains bf16 weights, its optimizer stepping fp32 copies of them (train "
+                        "--bf16-weights, Megatron's --bf16): --optimizer's memory counts the copies and its state in "
+                        "fp32 (a --model is cast to bf16 first)")
     p.add_argument("--price-optimizer-step", action="store_true",
                    help="price each device's optimizer step: its state's traffic (--optimizer's; 28 bytes a weight "
                         "for Adam, 1/D of it sharded) at the cluster's memory bandwidth, after its last gradient "
