@@ -265,10 +265,16 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
 
 def _weights_dtype(args: argparse.Namespace, model: Any, inputs: tuple) -> tuple[Any, tuple]:
     """`train --bf16-weights`: the model cast to bf16 (the engines keep fp32 copies for the
-    optimizer), and its floating-point inputs with it (a vision model's pixels)."""
+    optimizer), and its floating-point inputs with it (`_inputs_dtype`)."""
+    return (model.bfloat16() if getattr(args, "bf16_weights", False) else model), _inputs_dtype(args, inputs)
+
+
+def _inputs_dtype(args: argparse.Namespace, inputs: tuple) -> tuple:
+    """`--bf16-weights`: a batch's floating-point inputs in bf16, as the weights (a vision model's
+    pixels); otherwise the batch as it is."""
     if not getattr(args, "bf16_weights", False):
-        return model, inputs
-    return model.bfloat16(), tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
+        return inputs
+    return tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
 
 
 def _load_model(args: argparse.Namespace):
@@ -541,9 +547,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "--data-parallel to plan that replica, or give a spec of every device, without "
                             "data_parallel, with --data-parallel")
     replicas = 1 if args.data_parallel is None else args.data_parallel
-    if args.overlap_param_gather and not args.shard_optimizer:
-        raise OctopipeError("plan --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's updated "
-                            "shares with the next step; give --shard-optimizer (and --data-parallel D or auto) too")
+    _need_sharded_state(args, "plan", "--data-parallel D or auto")
     if args.shard_optimizer and args.optimizer_shards > 1:
         raise OctopipeError(f"plan --shard-optimizer --optimizer-shards {args.optimizer_shards}: give one; "
                             "--shard-optimizer shards over the --data-parallel replicas, --optimizer-shards over a "
@@ -796,9 +800,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
-    if args.overlap_param_gather and not args.shard_optimizer:
-        raise OctopipeError("train --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's updated "
-                            "shares with the next step; give --shard-optimizer (and --data-parallel D) too")
+    _need_sharded_state(args, "train", "--data-parallel D")
     if args.nprocs % args.data_parallel:
         raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
                             "(it counts every rank of every replica)")
@@ -875,6 +877,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
 """`plan --optimizer` values (`octopipe.simulator.OPTIMIZER_STATE`'s keys; importing it here would
 import torch)."""
+
+
+def _need_sharded_state(args: argparse.Namespace, command: str, replicas: str) -> None:
+    """`--overlap-param-gather` without `--shard-optimizer` has nothing to overlap: refuse it."""
+    from octopipe.errors import OctopipeError
+
+    if args.overlap_param_gather and not args.shard_optimizer:
+        raise OctopipeError(f"{command} --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's "
+                            f"updated shares with the next step; give --shard-optimizer (and {replicas}) too")
 
 
 def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False,
@@ -1099,9 +1110,7 @@ def _real_batch(args: argparse.Namespace, inputs: tuple, target: Any) -> tuple[t
     if args.model in models.MODEL_NAMES:
         with torch.device("cpu"):
             inputs, target = _builtin_batch(args)
-        if getattr(args, "bf16_weights", False):  # (as _load_model casts them)
-            inputs = tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
-        return inputs, target
+        return _inputs_dtype(args, inputs), target
     if any(t.is_meta for t in (*inputs, *([target] if target is not None else []))):
         raise OctopipeError(f"--model {args.model}: the factory's inputs are on the meta device; return a real "
                             "batch (the model alone may be on meta)")

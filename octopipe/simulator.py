@@ -164,15 +164,14 @@ class MemoryModel:
                 raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be a positive number of bytes, got "
                                     f"{value!r:.40}")
         moments = OPTIMIZER_STATE[name]
+        size = param_bytes_per_weight if weight_bytes is None else weight_bytes
         if moments is None:
             held, own = MIXED_ADAM_BYTES
             traffic = MIXED_ADAM_STEP_BYTES
         elif master_weights:
-            size = param_bytes_per_weight if weight_bytes is None else weight_bytes
             held, own = 2 * size, 4.0 * (1 + moments)
             traffic = 2 * size + 8.0 * (1 + moments)
         else:
-            size = param_bytes_per_weight if weight_bytes is None else weight_bytes
             held, own = 2 * size, moments * size
             traffic = (3 + 2 * moments) * size
         step = traffic / shards / param_bytes_per_weight if price_step else 0.0
@@ -740,10 +739,7 @@ def _run(
     gathers: list[Reduction] = []
     release: list[float] | None = None
     if cluster.data_parallel > 1 and memory.shards > 1 and memory.overlap_param_gather:
-        gathers = _param_gathers(plan, costs, cluster, sc.params)
-        release = [0.0] * num_stages
-        for gather in gathers:
-            release[int(gather.name.rsplit(" ", 1)[1])] = gather.end_ms
+        gathers, release = _param_gathers(plan, costs, cluster, sc.params)
 
     def send(message: int, device: int, target: int, size: float, finish: float, op: Op) -> None:
         """Queue `size` bytes on the link device -> target after `finish`; the message is ready on
@@ -984,21 +980,26 @@ OPTIMIZER_STEP = "optimizer step"
 compute on the device, not a message."""
 
 
+def _layer_stages(plan: PipelinePlan) -> list[int]:
+    """Each layer's stage under the plan's partition."""
+    return [stage for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:]))
+            for _ in range(start, end)]
+
+
 def _param_gathers(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec,
-                   params: Sequence[float]) -> list[Reduction]:
+                   params: Sequence[float]) -> tuple[list[Reduction], list[float]]:
     """A sharded state's broadcast overlapped with the step (`MemoryModel.overlap_param_gather`),
     as the runtime issues it: from the step's start, per device one stage at a time in the order
     of their first forwards there (a parameter tied across two of the device's stages goes with
-    the first), each an all-gather of the stage's parameters among the device's copies."""
-    stage_of = [0] * plan.num_layers
-    for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
-        for layer in range(start, end):
-            stage_of[layer] = stage
+    the first), each an all-gather of the stage's parameters among the device's copies. Returns
+    the gathers and when each stage's has ended (its forwards' release; 0 for a stage with none)."""
+    stage_of = _layer_stages(plan)
     tied_in: list[list[tuple[int, float]]] = [[] for _ in range(plan.num_stages)]  # (tied index, bytes) per layer
     for index, tied in enumerate(costs.tied):
         for layer in tied.layers:
             tied_in[stage_of[layer]].append((index, float(tied.bytes)))
     gathers = []
+    release = [0.0] * plan.num_stages
     for device, ops in enumerate(plan.device_ops):
         sent: set[int] = set()
         free = 0.0
@@ -1016,8 +1017,8 @@ def _param_gathers(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec,
             if size > 0:
                 end = free + cluster.all_gather_ms(size) + cluster.message_overhead_ms
                 gathers.append(Reduction(f"{PARAM_GATHER} stage {op.stage}", (device,), free, end))
-                free = end
-    return gathers
+                release[op.stage] = free = end
+    return gathers, release
 
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
@@ -1039,10 +1040,7 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
                                                             + op.microbatch])
     bucket = list(params)
     across = [0.0] * plan.num_devices
-    stage_of = [0] * plan.num_layers
-    for stage, (start, end) in enumerate(zip(plan.boundaries[:-1], plan.boundaries[1:])):
-        for layer in range(start, end):
-            stage_of[layer] = stage
+    stage_of = _layer_stages(plan)
     for tied in costs.tied:
         stages = [stage_of[layer] for layer in tied.layers]
         for stage in stages:  # every layer of it counted the tied bytes
