@@ -22,10 +22,14 @@ it sharded, at the H100's memory bandwidth), which the default leaves out.
 `--overlap-param-gather` (with `--shard-optimizer`): every job's shares' broadcast runs beside
 the next step, each stage's first forward waiting for its own (Megatron's
 `--overlap-param-gather`, `compile(overlap_param_gather=True)`), baselines included.
+`--fp32-grads`: every job's gradients are fp32 (Megatron's default under `--bf16`,
+`compile(master_weights=True, fp32_grads=True)`), baselines included: 18 bytes a weight instead
+of 16, twice the bytes in every gradient reduction, 30 bytes of step traffic instead of 28.
 Usage:
 
     python benchmarks/data_parallel.py [--time-limit 20] [--models deepseek,gemma] [--microbatches 64]
                                        [--shard-optimizer [--overlap-param-gather]] [--price-optimizer-step]
+                                       [--fp32-grads]
 """
 
 from __future__ import annotations
@@ -48,12 +52,14 @@ COUNTS = (1, 2, 4, 8, 16)
 
 
 def run(name: str, costs, cluster: ClusterSpec, microbatches: int, time_limit_s: float,
-        shard_optimizer: bool = False, price_step: bool = False, overlap: bool = False) -> list[str]:
+        shard_optimizer: bool = False, price_step: bool = False, overlap: bool = False,
+        fp32_grads: bool = False) -> list[str]:
     started = time.perf_counter()
 
     def memory(count: int) -> MemoryModel:  # each count's jobs: mixed-adam, its state over the count if sharded
         return MemoryModel.for_optimizer("mixed-adam", count if shard_optimizer else 1, price_step=price_step,
-                                         overlap_param_gather=overlap and shard_optimizer and count > 1)
+                                         overlap_param_gather=overlap and shard_optimizer and count > 1,
+                                         fp32_grads=fp32_grads)
 
     result = plan_data_parallel(costs, cluster, microbatches, counts=COUNTS, time_limit_s=time_limit_s, quiet=True,
                                 memory=memory)
@@ -94,6 +100,9 @@ def main() -> None:
                         help="price every device's optimizer step (its state's traffic at H100 memory bandwidth)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="with --shard-optimizer: the shares' broadcast beside the next step's first forwards")
+    parser.add_argument("--fp32-grads", action="store_true",
+                        help="every job's gradients in fp32 (bf16 weights with fp32 copies): 18 bytes a weight, "
+                             "twice the reductions' bytes")
     args = parser.parse_args()
     if args.overlap_param_gather and not args.shard_optimizer:
         parser.error("--overlap-param-gather overlaps a sharded optimizer's broadcast: give --shard-optimizer too")
@@ -106,15 +115,16 @@ def main() -> None:
                                          "gradients' reduce-scatter and the shares' broadcast priced"
                                          + (", the broadcast beside the next step's first forwards"
                                             if args.overlap_param_gather else "") if args.shard_optimizer else "")
-          + ("; each device's optimizer step priced (mixed-adam's 28 bytes a weight, over the shards, at "
-             f"{cluster.memory_bandwidth / 1e12:g} TB/s)" if args.price_optimizer_step else ""))
+          + (f"; each device's optimizer step priced (mixed-adam's {30 if args.fp32_grads else 28} bytes a weight, "
+             f"over the shards, at {cluster.memory_bandwidth / 1e12:g} TB/s)" if args.price_optimizer_step else "")
+          + ("; fp32 gradients (18 bytes a weight, twice the bytes in every reduction)" if args.fp32_grads else ""))
     print(f"{'model':<24}{'D':>4} x {'dev':<4}{'mb':>5}  {'best baseline (fits memory)':<28}{'ms':>9}"
           f" {'ours ms':>8} {'allred ms':>9}{'speedup':>9}")
     print("-" * 104)
     started = time.perf_counter()
     for name, costs in tables.items():
         for line in run(name, costs, cluster, args.microbatches, args.time_limit, args.shard_optimizer,
-                        args.price_optimizer_step, args.overlap_param_gather):
+                        args.price_optimizer_step, args.overlap_param_gather, args.fp32_grads):
             print(line, flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 

@@ -696,6 +696,8 @@ class Pipeline:
     """compile's `overlap_param_gather`: every engine overlaps the shares' broadcast with the next step."""
     master_weights: bool = False
     """compile's `master_weights`: every engine's optimizer steps fp32 copies of the bf16 weights."""
+    fp32_grads: bool = False
+    """compile's `fp32_grads`: every engine accumulates and reduces the bf16 weights' gradients in fp32."""
 
     @property
     def microbatch_size(self) -> int | None:
@@ -715,8 +717,8 @@ class Pipeline:
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
         `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast,
-        shard_optimizer, overlap_param_gather, master_weights: see there; loss_weight, autocast,
-        shard_optimizer, overlap_param_gather and master_weights default to compile's,
+        shard_optimizer, overlap_param_gather, master_weights, fp32_grads: see there; loss_weight,
+        autocast, shard_optimizer, overlap_param_gather, master_weights and fp32_grads default to compile's,
         and an autocast other than compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on
         from octopipe.runtime.amp import autocast_dtype
@@ -743,6 +745,7 @@ class Pipeline:
         options.setdefault("shard_optimizer", self.shard_optimizer)
         options.setdefault("overlap_param_gather", self.overlap_param_gather)
         options.setdefault("master_weights", self.master_weights)
+        options.setdefault("fp32_grads", self.fp32_grads)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -928,6 +931,7 @@ def compile(
     shard_optimizer: bool = False,
     overlap_param_gather: bool = False,
     master_weights: bool = False,
+    fp32_grads: bool = False,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -993,7 +997,13 @@ def compile(
     every engine's optimizer steps an fp32 copy of each bf16 weight and rounds the weight from it
     after each step (see `runtime/engine.py`); `optimizer`'s memory then counts the copy and the
     optimizer's fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; the default
-    mixed-precision Adam already is this)."""
+    mixed-precision Adam already is this).
+    fp32_grads (with master_weights; Megatron's `--accumulate-allreduce-grads-in-fp32`, its
+    default under `--bf16`): every engine accumulates the bf16 weights' gradients over the
+    microbatches in fp32, sums them across ranks (tied copies, replicas) and clips them in fp32,
+    and the copies step them as they are (`Engine.main_grads()`); the memory counts 4 bytes of
+    gradient a weight (the default state: mixed-precision Adam's 18 bytes a weight, not 16) and
+    the simulation sums twice the bytes (`MemoryModel.grad_bytes_per_param_byte`)."""
     import torch
 
     from octopipe.passes.codegen import codegen, links_of, microbatch, tied_parameters
@@ -1017,6 +1027,12 @@ def compile(
         raise ArgumentError(f"compile: overlap_param_gather must be True or False, got {overlap_param_gather!r:.40}")
     if not isinstance(master_weights, bool):
         raise ArgumentError(f"compile: master_weights must be True or False, got {master_weights!r:.40}")
+    if not isinstance(fp32_grads, bool):
+        raise ArgumentError(f"compile: fp32_grads must be True or False, got {fp32_grads!r:.40}")
+    if fp32_grads and not master_weights:
+        raise ArgumentError("compile: fp32_grads=True accumulates the bf16 weights' gradients in fp32 for their fp32 "
+                            "master copies, but master_weights is False; pass master_weights=True too (with "
+                            "model.bfloat16()), or leave fp32_grads off")
     if overlap_param_gather and not shard_optimizer:
         raise ArgumentError("compile: overlap_param_gather=True overlaps the broadcast of a sharded optimizer's "
                             "updated shares with the next step, but shard_optimizer is False (nothing is "
@@ -1049,13 +1065,23 @@ def compile(
     if optimizer is not None and memory.state_bytes_per_param_byte != MemoryModel().state_bytes_per_param_byte:
         raise ArgumentError("compile: give optimizer= (its state is then sized from the model's weights) or memory= "
                             "with your own state_bytes_per_param_byte, not both")
-    if shard_optimizer and optimizer is None and data_parallel > 1:
-        # the default state is mixed-precision Adam's: its own part sharded; a state given as
-        # bytes is taken as it is, with the sharded step's broadcast priced
+    if memory.grad_bytes_per_param_byte != 1.0 and not fp32_grads:
+        raise ArgumentError(f"compile: memory prices {memory.grad_bytes_per_param_byte:g} bytes of gradient per byte of "
+                            "weights (fp32 gradients of bf16 weights) but compile's fp32_grads is False, so the "
+                            "engines would sum the gradients in the weights' dtype; pass compile(..., "
+                            "master_weights=True, fp32_grads=True), which prices them too")
+    sharded = shard_optimizer and data_parallel > 1
+    if (sharded or fp32_grads) and optimizer is None:
+        # the default state is mixed-precision Adam's: its own part sharded, its gradients fp32
+        # with fp32_grads; a state given as bytes is taken as it is, with the sharded step's
+        # broadcast and fp32_grads' reductions priced
+        shards = data_parallel if sharded else memory.shards
+        default = MemoryModel.for_optimizer("mixed-adam", shards, fp32_grads=fp32_grads)
         state = memory.state_bytes_per_param_byte
         if state == MemoryModel().state_bytes_per_param_byte:
-            state = MemoryModel.for_optimizer("mixed-adam", data_parallel).state_bytes_per_param_byte
-        memory = replace(memory, state_bytes_per_param_byte=state, shards=data_parallel)
+            state = default.state_bytes_per_param_byte
+        memory = replace(memory, state_bytes_per_param_byte=state, shards=shards,
+                         grad_bytes_per_param_byte=default.grad_bytes_per_param_byte)
 
     def timed(name: str, function: Callable[[], Any]) -> Any:
         clock = time.perf_counter()
@@ -1085,7 +1111,7 @@ def compile(
         table = table.without_selective(hazards)  # a given table's too: the search never plans them selective
         if optimizer is not None:
             memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1,
-                                       master_weights=master_weights)
+                                       master_weights=master_weights, fp32_grads=fp32_grads)
         if master_weights and not any(p.requires_grad and p.dtype is torch.bfloat16 for p in model.parameters()):
             dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
             raise ArgumentError(f"compile: master_weights=True keeps fp32 copies of the model's bf16 weights for the "
@@ -1150,7 +1176,7 @@ def compile(
         specs = tuple((tuple(t.shape), t.dtype) for t in (*inputs, example_target))  # (a target is guessed if not given)
         return Pipeline(graph, table, chosen, programs, stages, full_cluster, num_microbatches, report, simulation,
                         seconds, loss_weight, runners_up, autocast, data_parallel, specs, shard_optimizer,
-                        overlap_param_gather, master_weights)
+                        overlap_param_gather, master_weights, fp32_grads)
 
 
 @dataclass
@@ -1537,24 +1563,27 @@ def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any])
 
 
 def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: MemoryModel, shards: int = 1,
-                      price_step: bool = False, master_weights: bool = False) -> MemoryModel:
+                      price_step: bool = False, master_weights: bool = False, fp32_grads: bool = False) -> MemoryModel:
     """`memory` with the state of `optimizer` (its own part over `shards` replicas) for `model`'s
     own weights: the bytes per weight they are held in, against what `table` counts per weight
     (its param_bytes, each tied parameter once, over the model's weight count); `price_step`:
     its step's traffic too (`MemoryModel.step_bytes_per_param_byte`); `master_weights`: the
-    optimizer steps fp32 copies of the weights (`MemoryModel.for_optimizer`)."""
+    optimizer steps fp32 copies of the weights, and `fp32_grads` their gradients are fp32
+    (`MemoryModel.for_optimizer`)."""
     weights = list(model.parameters())  # (a parameter two modules share, once)
     count = sum(p.numel() for p in weights)
     counted = sum(table.params) - sum((len(tied.layers) - 1) * tied.bytes for tied in table.tied)
     if count == 0 or counted <= 0:  # no weights the table counts: nothing to size (the state is 0 bytes)
-        state = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights)
+        state = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights,
+                                          fp32_grads=fp32_grads)
     else:
         held = sum(p.numel() * p.element_size() for p in weights)
         state = MemoryModel.for_optimizer(optimizer, shards, param_bytes_per_weight=counted / count,
                                           weight_bytes=held / count, price_step=price_step,
-                                          master_weights=master_weights)
+                                          master_weights=master_weights, fp32_grads=fp32_grads)
     return replace(memory, state_bytes_per_param_byte=state.state_bytes_per_param_byte, shards=shards,
-                   step_bytes_per_param_byte=state.step_bytes_per_param_byte)
+                   step_bytes_per_param_byte=state.step_bytes_per_param_byte,
+                   grad_bytes_per_param_byte=state.grad_bytes_per_param_byte)
 
 
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,

@@ -124,8 +124,10 @@ def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -
 def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
     """`training_optimizer` for an engine's parameters; with `shard_optimizer`, attached to the
     engine over its share (every copy of the rank must then step it: the step ends in a
-    broadcast among them). None for a rank without parameters, unless sharded."""
-    if engine.shard_optimizer:
+    broadcast among them); with `master_weights`, attached over the fp32 copies (its hooks set
+    their gradients and round the weights from them). None for a rank without parameters,
+    unless sharded or with master weights."""
+    if engine.shard_optimizer or engine.master_weights:
         return engine.attach_optimizer(lambda params: training_optimizer(name, params, learning_rate))
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
 
@@ -337,8 +339,7 @@ def _link(one_way: Sequence[float]) -> tuple[float, float]:
 
 
 def _clear_grads(engine: Any) -> None:
-    for _, parameter in engine.named_parameters():
-        parameter.grad = None
+    engine.zero_grad()  # (the weights', the master copies' and fp32_grads' gradients)
 
 
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:

@@ -583,11 +583,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
         options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs,
                                                         args.price_optimizer_step, args.overlap_param_gather,
-                                                        args.bf16_weights)
+                                                        args.bf16_weights, args.fp32_grads)
     else:
         shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
         options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step,
-                                          args.overlap_param_gather, args.bf16_weights)
+                                          args.overlap_param_gather, args.bf16_weights, args.fp32_grads)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -846,7 +846,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights)
+                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -858,7 +858,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"processes), each on the same batch here; summing their gradients takes up to "
               f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction){sharded}")
     if pipe.master_weights:
-        print("bf16 weights and gradients; the optimizer steps fp32 copies of the weights (--bf16-weights)")
+        print("bf16 weights; the optimizer steps fp32 copies of them (--bf16-weights); "
+              + ("the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" if pipe.fp32_grads else
+                 "bf16 gradients"))
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
@@ -880,31 +882,39 @@ import torch)."""
 
 
 def _need_sharded_state(args: argparse.Namespace, command: str, replicas: str) -> None:
-    """`--overlap-param-gather` without `--shard-optimizer` has nothing to overlap: refuse it."""
+    """`--overlap-param-gather` without `--shard-optimizer` has nothing to overlap, and
+    `--fp32-grads` without `--bf16-weights` no fp32 copies to step: refuse them."""
     from octopipe.errors import OctopipeError
 
     if args.overlap_param_gather and not args.shard_optimizer:
         raise OctopipeError(f"{command} --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's "
                             f"updated shares with the next step; give --shard-optimizer (and {replicas}) too")
+    mixed = command == "plan" and args.optimizer == "mixed-adam"  # (mixed-adam's copies are fp32 already)
+    if args.fp32_grads and not args.bf16_weights and not mixed:
+        raise OctopipeError(f"{command} --fp32-grads: it accumulates the gradients of bf16 weights in fp32 for their "
+                            f"fp32 copies; give --bf16-weights too")
 
 
 def _memory_model(optimizer: str, shards: int, graph: Any, costs: Any, price_step: bool = False,
-                  overlap: bool = False, master_weights: bool = False) -> Any:
+                  overlap: bool = False, master_weights: bool = False, fp32_grads: bool = False) -> Any:
     """`plan --optimizer`'s memory model: for a --model (`graph`), sized from its own weights as
     `compile(optimizer=...)` and train size it; for a cost table, on weights held in the dtype it
     counts. `price_step`: with the step's traffic (`plan --price-optimizer-step`); `overlap`: the
     shares' broadcast overlapped with the next step (`plan --overlap-param-gather`; with one
     shard, as `--data-parallel auto`'s single replica has, nothing is broadcast); `master_weights`:
-    the optimizer steps fp32 copies of bf16 weights (`plan --bf16-weights`, as train runs them)."""
+    the optimizer steps fp32 copies of bf16 weights (`plan --bf16-weights`, as train runs them);
+    `fp32_grads`: their gradients are fp32 (`plan --fp32-grads`)."""
     from dataclasses import replace
 
     from octopipe.api import _optimizer_memory
     from octopipe.simulator import MemoryModel
 
     if graph is not None and graph.module is not None:
-        memory = _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step, master_weights)
+        memory = _optimizer_memory(optimizer, graph.module, costs, MemoryModel(), shards, price_step, master_weights,
+                                   fp32_grads)
     else:
-        memory = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights)
+        memory = MemoryModel.for_optimizer(optimizer, shards, price_step=price_step, master_weights=master_weights,
+                                           fp32_grads=fp32_grads)
     return replace(memory, overlap_param_gather=overlap and shards > 1)
 
 
@@ -948,7 +958,7 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
                                        memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer,
                                        overlap_param_gather=pipe.overlap_param_gather,
-                                       master_weights=pipe.master_weights)
+                                       master_weights=pipe.master_weights, fp32_grads=pipe.fp32_grads)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -1040,7 +1050,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      autocast=args.autocast, data_parallel=args.data_parallel,
                                      optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights)
+                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1059,7 +1069,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights)
+                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1151,7 +1161,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
                                     ("--overlap-param-gather", args.overlap_param_gather),
-                                    ("--bf16-weights", args.bf16_weights), ("--profile", args.profile),
+                                    ("--bf16-weights", args.bf16_weights), ("--fp32-grads", args.fp32_grads),
+                                    ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
@@ -1249,7 +1260,7 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
                          optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights)
+                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1339,6 +1350,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="the job trains bf16 weights, its optimizer stepping fp32 copies of them (train "
                         "--bf16-weights, Megatron's --bf16): --optimizer's memory counts the copies and its state in "
                         "fp32 (a --model is cast to bf16 first)")
+    p.add_argument("--fp32-grads", action="store_true",
+                   help="with --bf16-weights (or the default mixed-adam): the gradients are fp32, as train "
+                        "--fp32-grads runs them (Megatron's --accumulate-allreduce-grads-in-fp32): 4 bytes a weight "
+                        "in memory (mixed-adam 18 bytes a weight, not 16) and twice the bytes in every gradient "
+                        "reduction")
     p.add_argument("--price-optimizer-step", action="store_true",
                    help="price each device's optimizer step: its state's traffic (--optimizer's; 28 bytes a weight "
                         "for Adam, 1/D of it sharded) at the cluster's memory bandwidth, after its last gradient "
@@ -1413,6 +1429,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="train the model's weights in bf16, the optimizer stepping fp32 copies of them (Megatron's "
                         "--bf16): forwards, backwards and gradients in bf16, each weight rounded from its copy after "
                         "the step; the plan's memory counts the copies (--init loads the weights, rounded to bf16)")
+    p.add_argument("--fp32-grads", action="store_true",
+                   help="with --bf16-weights: accumulate the gradients over the microbatches, sum them over the "
+                        "ranks and clip them in fp32, the copies stepping them as they are (Megatron's "
+                        "--accumulate-allreduce-grads-in-fp32, its default under --bf16); the plan counts 4 bytes "
+                        "a weight of gradient and prices the fp32 sums")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

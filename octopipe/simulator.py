@@ -78,6 +78,14 @@ MIXED_ADAM_STEP_BYTES = 28.0
 and moments read (2 + 12), the master copy and moments written back and the bf16 weight cast
 from it (12 + 2)."""
 
+MIXED_ADAM_FP32_GRAD_BYTES = (6.0, 12.0)
+"""mixed-adam's bytes per weight with fp32 gradients (Megatron's default under `--bf16`,
+`fp32_grads`): the bf16 weight and its fp32 gradient, then as `MIXED_ADAM_BYTES`; 18 in all."""
+
+MIXED_ADAM_FP32_GRAD_STEP_BYTES = 30.0
+"""What mixed-adam's step reads and writes per weight with fp32 gradients: the fp32 gradient
+(4, not 2) and otherwise as `MIXED_ADAM_STEP_BYTES`."""
+
 MIXED_PRECISION_ADAM_STATE = sum(MIXED_ADAM_BYTES) / 2
 """Bytes of weights + gradients + optimizer state per byte of bf16 weights: 2 (weight) + 2 (grad)
 + 4 (fp32 master) + 4 + 4 (Adam moments) = 16 bytes per parameter = 8x its 2 bf16 bytes."""
@@ -126,11 +134,18 @@ class MemoryModel:
     prices the broadcast at the start of the step, stage by stage in the order of their first
     forwards on the device, each stage's forwards starting after its own ("data-parallel
     parameter gather stage s"), instead of at the end."""
+    grad_bytes_per_param_byte: float = 1.0
+    """The bytes of gradient the tied and data-parallel reductions sum per byte of weights as the
+    cost table counts them: 1, gradients in the weights' dtype; 2 for fp32 gradients of bf16
+    weights (`compile(..., master_weights=True, fp32_grads=True)`, Megatron's
+    `--accumulate-allreduce-grads-in-fp32`; `for_optimizer(..., fp32_grads=True)`). The sharded
+    state's broadcast sends weights: it is priced at their bytes whatever this is."""
 
     @classmethod
     def for_optimizer(cls, name: str, shards: int = 1, *, param_bytes_per_weight: float = 2.0,
                       weight_bytes: float | None = None, price_step: bool = False,
-                      overlap_param_gather: bool = False, master_weights: bool = False) -> MemoryModel:
+                      overlap_param_gather: bool = False, master_weights: bool = False,
+                      fp32_grads: bool = False) -> MemoryModel:
         """The memory of a job stepping optimizer `name` (an OPTIMIZER_STATE key).
         `param_bytes_per_weight`: what the cost table's `param_bytes` count per weight (2, bf16,
         in the published profiles and analytic costs; the element size in a table profiled on the
@@ -147,9 +162,14 @@ class MemoryModel:
         `shards` > 1). `master_weights`: the optimizer steps an fp32 copy of each (bf16) weight
         (`Engine(master_weights=True)`): its own state is then that copy and its moments in fp32,
         4 + 4k bytes a weight, and its step reads the gradient, copy and moments and writes the
-        copy, moments and weight ((2 x the weight's bytes) + 8 + 8k); mixed-adam is this already."""
+        copy, moments and weight ((2 x the weight's bytes) + 8 + 8k); mixed-adam is this already.
+        `fp32_grads` (with `master_weights`, or mixed-adam): the gradients are fp32 (`Engine(...,
+        fp32_grads=True)`): 4 bytes a weight held and read by the step instead of the weight's,
+        and the reductions sum 4 bytes a weight (`grad_bytes_per_param_byte`); mixed-adam comes
+        to 18 bytes a weight (Megatron's figure for bf16 weights with fp32 gradients) and 30 of
+        step traffic."""
         for what, flag in (("price_step", price_step), ("overlap_param_gather", overlap_param_gather),
-                           ("master_weights", master_weights)):
+                           ("master_weights", master_weights), ("fp32_grads", fp32_grads)):
             if not isinstance(flag, bool):
                 raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be True or False, got {flag!r:.40}")
         if name not in OPTIMIZER_STATE:
@@ -164,19 +184,25 @@ class MemoryModel:
                 raise ArgumentError(f"MemoryModel.for_optimizer: {what} must be a positive number of bytes, got "
                                     f"{value!r:.40}")
         moments = OPTIMIZER_STATE[name]
+        if fp32_grads and moments is not None and not master_weights:
+            raise ArgumentError(f"MemoryModel.for_optimizer: fp32_grads are the gradients of bf16 weights with fp32 "
+                                f"master copies, but {name!r} is given without master_weights; pass "
+                                "master_weights=True too (or mixed-adam, which has the copies)")
         size = param_bytes_per_weight if weight_bytes is None else weight_bytes
+        grad = 4.0 if fp32_grads else size  # a weight's gradient bytes
         if moments is None:
-            held, own = MIXED_ADAM_BYTES
-            traffic = MIXED_ADAM_STEP_BYTES
+            held, own = MIXED_ADAM_FP32_GRAD_BYTES if fp32_grads else MIXED_ADAM_BYTES
+            traffic = MIXED_ADAM_FP32_GRAD_STEP_BYTES if fp32_grads else MIXED_ADAM_STEP_BYTES
         elif master_weights:
-            held, own = 2 * size, 4.0 * (1 + moments)
-            traffic = 2 * size + 8.0 * (1 + moments)
+            held, own = size + grad, 4.0 * (1 + moments)
+            traffic = size + grad + 8.0 * (1 + moments)
         else:
             held, own = 2 * size, moments * size
             traffic = (3 + 2 * moments) * size
         step = traffic / shards / param_bytes_per_weight if price_step else 0.0
         model = cls(state_bytes_per_param_byte=(held + own / shards) / param_bytes_per_weight, shards=shards,
-                    step_bytes_per_param_byte=step, overlap_param_gather=overlap_param_gather)
+                    step_bytes_per_param_byte=step, overlap_param_gather=overlap_param_gather,
+                    grad_bytes_per_param_byte=4.0 / param_bytes_per_weight if fp32_grads else 1.0)
         model.check("MemoryModel.for_optimizer")
         return model
 
@@ -195,6 +221,10 @@ class MemoryModel:
         if not (is_finite_number(step) and step >= 0):
             raise ArgumentError(f"{where}: step_bytes_per_param_byte must be a non-negative number of bytes per "
                                 f"byte of weights (0: the optimizer step is not priced), got {step!r:.40}")
+        grad = self.grad_bytes_per_param_byte
+        if not (is_finite_number(grad) and grad > 0):
+            raise ArgumentError(f"{where}: grad_bytes_per_param_byte must be a positive number of gradient bytes per "
+                                f"byte of weights (1: gradients in the weights' dtype), got {grad!r:.40}")
         if not isinstance(self.overlap_param_gather, bool):
             raise ArgumentError(f"{where}: overlap_param_gather must be True or False, got "
                                 f"{self.overlap_param_gather!r:.40}")
@@ -213,16 +243,18 @@ class MemoryModel:
             data["step_bytes_per_param_byte"] = self.step_bytes_per_param_byte
         if self.overlap_param_gather:
             data["overlap_param_gather"] = True
+        if self.grad_bytes_per_param_byte != 1.0:
+            data["grad_bytes_per_param_byte"] = self.grad_bytes_per_param_byte
         return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> MemoryModel:
         if not isinstance(data, dict) or set(data) - {"state_bytes_per_param_byte", "weight_memory_fraction",
                                                       "shards", "step_bytes_per_param_byte",
-                                                      "overlap_param_gather"}:
+                                                      "overlap_param_gather", "grad_bytes_per_param_byte"}:
             raise ArgumentError(f"{where}: a memory model is an object with state_bytes_per_param_byte, "
-                                f"weight_memory_fraction and optionally shards, step_bytes_per_param_byte and "
-                                f"overlap_param_gather, got {data!r:.120}")
+                                f"weight_memory_fraction and optionally shards, step_bytes_per_param_byte, "
+                                f"overlap_param_gather and grad_bytes_per_param_byte, got {data!r:.120}")
         model = cls(**data)
         model.check(where)
         return model
@@ -915,7 +947,8 @@ def _run(
                         for d in devices)
             slowest = min(cluster.bandwidth(a, b) for a in devices for b in devices if a != b) / 1e3
             steps = 2 * (len(devices) - 1)
-            end = start + steps * (latency_ms + size / len(devices) / slowest) + cluster.message_overhead_ms
+            moved = size * memory.grad_bytes_per_param_byte
+            end = start + steps * (latency_ms + moved / len(devices) / slowest) + cluster.message_overhead_ms
             for d in devices:
                 reduced_until[d] = end
             iteration = max(iteration, end)
@@ -929,7 +962,7 @@ def _run(
     held: list[float] = []  # the parameter bytes each device's buckets summed
     if cluster.data_parallel > 1:
         buckets, held = _data_parallel_buckets(plan, costs, cluster, sc.params, done, per_kind, reduced_until,
-                                               memory.shards > 1)
+                                               memory.shards > 1, memory.grad_bytes_per_param_byte)
         for reduction in buckets:
             per_device[reduction.devices[0]].append(reduction)
             reduced_until[reduction.devices[0]] = reduction.end_ms  # one at a time, in order, per device
@@ -1023,14 +1056,15 @@ def _param_gathers(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec,
 
 def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, params: Sequence[float],
                            done: list[float], per_kind: int, reduced_until: Sequence[float],
-                           sharded: bool = False) -> tuple[list[Reduction], list[float]]:
+                           sharded: bool = False, grad_bytes: float = 1.0) -> tuple[list[Reduction], list[float]]:
     """Each device's gradient all-reduces over its data-parallel copies, as the runtime issues
     them: a bucket per stage once the stage's last B/W on the device has run (a parameter that
     two of the device's stages share goes with the later one), then the parameters tied across
     devices after their tied all-reduce; one at a time per device, in the order they are ready.
     `sharded` (the optimizer's state split over the copies): each bucket is reduced onto its
-    owning copies (a reduce-scatter). Returns the reductions and each device's bytes summed (what
-    a sharded state's broadcast after the step moves, which `_run` prices)."""
+    owning copies (a reduce-scatter). `grad_bytes`: gradient bytes per byte of weights
+    (`MemoryModel.grad_bytes_per_param_byte`). Returns the reductions and each device's weight
+    bytes summed (what a sharded state's broadcast after the step moves, which `_run` prices)."""
     num_micro = plan.num_microbatches
     ready = [0.0] * plan.num_stages
     for ops in plan.device_ops:
@@ -1063,7 +1097,8 @@ def _data_parallel_buckets(plan: PipelinePlan, costs: CostTable, cluster: Cluste
             size = bucket[stage] if stage >= 0 else across[device]
             held[device] += size
             start = max(at, free)
-            free = start + (cluster.reduce_scatter_ms(size) if sharded else cluster.all_reduce_ms(size)) \
+            moved = size * grad_bytes
+            free = start + (cluster.reduce_scatter_ms(moved) if sharded else cluster.all_reduce_ms(moved)) \
                 + cluster.message_overhead_ms
             name = f"data-parallel stage {stage}" if stage >= 0 else "data-parallel tied"
             result.append(Reduction(name, (device,), start, free))

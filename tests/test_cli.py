@@ -775,21 +775,35 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
                  "--schedule", "1f1b", "--quiet"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "the optimizer steps fp32 copies of the weights" in out
+    assert "the optimizer steps fp32 copies of them (--bf16-weights); bf16 gradients" in out
     losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] < losses[0]
     assert main(["train", "--model", "llama", "--data-parallel", "2", "--steps", "3", "--optimizer", "adamw",
                  "--bf16-weights", "--shard-optimizer", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
-    # every replica trains on the same batch here: one pipeline's losses, to bf16's rounding (each
-    # replica's gradients are weighed 1/2 before they are summed, in bf16)
+    # every replica trains on the same batch here: one pipeline's losses (each replica's gradients
+    # are weighed 1/2, exactly, and the two halves sum exactly). Stop 44's local train without
+    # --shard-optimizer stepped the bf16 weights themselves, and its losses differed from these
     sharded = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
-    assert sharded[0] == losses[0] and sharded == pytest.approx(losses, rel=1e-2)
+    assert sharded == losses
+    # fp32 gradients (Megatron's default under --bf16): the same across replicas and sharding
+    runs = []
+    for replicas in ([], ["--data-parallel", "2", "--shard-optimizer"]):
+        assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
+                     "--fp32-grads", "--schedule", "1f1b", "--quiet", *replicas]) == EXIT_OK
+        out = capsys.readouterr().out
+        assert "the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" in out
+        runs.append([float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)])
+    assert len(runs[0]) == 3 and runs[0] == runs[1] and runs[0][0] == losses[0]
+    assert main(["train", "--model", "llama", "--fp32-grads", "--torchrun"]) == EXIT_ERROR
+    assert "--fp32-grads: it accumulates the gradients of bf16 weights in fp32" in capsys.readouterr().err
     # a vision model's pixels are cast with its weights
     assert main(["train", "--model", "multimodal", "--steps", "2", "--bf16-weights", "--schedule", "1f1b",
                  "--quiet"]) == EXIT_OK
     capsys.readouterr()
     assert main(["train", "--model", "llama", "--bf16-weights", "--torchrun"]) == EXIT_OK
     assert capsys.readouterr().out.rstrip().endswith("--bf16-weights")
+    assert main(["train", "--model", "llama", "--bf16-weights", "--fp32-grads", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--bf16-weights --fp32-grads")
 
 
 def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, capsys):
@@ -1155,7 +1169,7 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights"]])
+@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights", "--fp32-grads"]])
 def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys, extra):
     # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
     # (then beside the next step, and from fp32 copies of bf16 weights: stop 44's first torchrun

@@ -9,7 +9,7 @@ import pytest
 import octopipe
 from octopipe import ArgumentError, ClusterSpec, CostTable, InfeasibleError, LayerCost, MemoryModel, ParseError
 from octopipe.api import load_saved_plan
-from octopipe.cli import EXIT_OK, main
+from octopipe.cli import EXIT_ERROR, EXIT_OK, main
 from octopipe.simulator import OPTIMIZER_STATE, simulate
 
 GiB = 2**30
@@ -159,12 +159,24 @@ def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path,
     assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(4.0)
     # sharded AdamW over 2 replicas: fp32 weights keep 8 bytes a weight and split their moments
     # (8 + 8/2 = 12, 6 per counted byte); bf16 weights with fp32 copies (train --bf16-weights)
-    # keep 4 and split the copy and moments (4 + 12/2 = 10, 5 per counted byte)
-    for flags, state in (([], 6.0), (["--bf16-weights"], 5.0)):
+    # keep 4 and split the copy and moments (4 + 12/2 = 10, 5 per counted byte); with fp32
+    # gradients (train --fp32-grads) 6 (2 + 4) and the same split (12, 6 per counted byte), the
+    # reductions summing 2 bytes per counted byte
+    for flags, state, grad in (([], 6.0, 1.0), (["--bf16-weights"], 5.0, 1.0),
+                               (["--bf16-weights", "--fp32-grads"], 6.0, 2.0)):
         assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux4", "--microbatches", "4",
                      "--data-parallel", "2", "--shard-optimizer", "--optimizer", "adamw", "--quiet", "--time-limit",
                      "5", "--no-solver", "-o", str(path), *flags]) == EXIT_OK
-        assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(state), flags
+        memory = load_saved_plan(path).memory
+        assert memory.state_bytes_per_param_byte == pytest.approx(state), flags
+        assert memory.grad_bytes_per_param_byte == pytest.approx(grad), flags
+    # on a cost table: mixed-adam has its fp32 copies already (18 bytes a weight, 9 per counted one)
+    assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux2", "--microbatches", "4",
+                 "--fp32-grads", "--quiet", "--time-limit", "5", "--no-solver", "-o", str(path)]) == EXIT_OK
+    assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(9.0)
+    assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux2", "--microbatches", "4",
+                 "--optimizer", "adamw", "--fp32-grads", "--quiet"]) == EXIT_ERROR
+    assert "give --bf16-weights too" in capsys.readouterr().err
 
 
 def test_plan_data_parallel_counts_each_replica_counts_share_of_a_sharded_optimizer_state(tmp_path, capsys):

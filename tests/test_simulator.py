@@ -453,6 +453,37 @@ def test_an_overlapped_parameter_gather_runs_from_the_step_start_before_each_sta
     assert result.critical_path[0] == F(1, 0)
 
 
+def test_fp32_gradients_double_the_bytes_each_reduction_sums_but_not_the_gathers():
+    # fp32 gradients of bf16 weights (grad_bytes_per_param_byte 2): every data-parallel bucket
+    # and the tied all-reduce sum twice the bytes; the overlapped gathers still send the weights
+    cluster = ClusterSpec(num_devices=4, devices_per_node=4, intra_node_bandwidth=1e9, latency_s=1e-3,
+                          message_overhead_ms=0.0).replica(2)
+    split = plan_of(FOUR_ON_TWO.format(d1=0, d2=1, d3=1, ops0="0F0 1F0 1B0 0B0", ops1="2F0 3F0 3B0 2B0"))
+    costs = tied_table(2_000_000, params=4_000_000)
+    bf16 = MemoryModel.for_optimizer("mixed-adam", 2, overlap_param_gather=True)
+    fp32 = MemoryModel.for_optimizer("mixed-adam", 2, overlap_param_gather=True, fp32_grads=True)
+    assert fp32.grad_bytes_per_param_byte == 2.0
+    spans = []
+    for memory in (bf16, fp32):
+        result = simulate(split, costs, cluster, memory=memory)
+        spans.append({r.name + str(r.devices): r.end_ms - r.start_ms for r in result.reductions})
+        assert iteration_time(split, costs, cluster, memory=memory)[0] == pytest.approx(result.iteration_ms)
+
+    def half_ring(size):  # a reduce-scatter over 2 copies: 1 step of (1 ms + half the bytes at 1 GB/s)
+        return 1.0 + size / 2 / 1e6
+
+    for name in spans[0]:
+        if name.startswith("data-parallel stage 1"):
+            assert spans[0][name] == pytest.approx(half_ring(4e6)) and spans[1][name] == pytest.approx(half_ring(8e6))
+        elif name.startswith("data-parallel parameter gather"):
+            assert spans[1][name] == pytest.approx(spans[0][name])
+        elif name.startswith("embed.weight"):  # tied across devices 0 and 1: 2 steps of half its bytes
+            assert spans[0][name] == pytest.approx(2 * (1.0 + 2e6 / 2 / 1e6))
+            assert spans[1][name] == pytest.approx(2 * (1.0 + 4e6 / 2 / 1e6))
+    assert any(n.startswith("embed.weight") for n in spans[0]) and any(n.startswith("data-parallel stage 1")
+                                                                       for n in spans[0])
+
+
 def test_data_parallel_copies_sum_each_stages_gradients_once_its_backward_is_done():
     # 2 replicas of this 2-device pipeline on 4 devices of a node: each device all-reduces a
     # stage's gradients over its 2 copies once the stage's last B ran (beside the rest of its

@@ -74,11 +74,17 @@ a sharded state sends it on. The copies are checkpointed in the optimizer's stat
 beside each entry) and restored by `load_state_dict`; where a checkpoint has none the copies take
 the loaded weights. Memory: the bf16 weight and gradient plus the fp32 copy and the optimizer's
 fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; mixed-adam is this with Adam).
+With `fp32_grads=True` too (Megatron's `--accumulate-allreduce-grads-in-fp32`, its default under
+`--bf16`), every backward instruction adds what it left in the bf16 weights' `.grad` into an fp32
+gradient and clears `.grad` (as Megatron's hook adds it to `main_grad`): the microbatches' sum, the
+tied and data-parallel reductions, clipping and the copies' step all take the fp32 gradients
+(`main_grads()`), 4 bytes a weight (`MemoryModel.for_optimizer(..., fp32_grads=True)`).
 
 `evaluate(inputs, target)` (validation) runs the same program without its backward half (receives,
 forwards, sends, the loss all-reduce) with every stage module in eval mode and no autograd graph.
 
-Gradients accumulate into `.grad` like `loss.backward()`; call `zero_grad()` (or
+Gradients accumulate into `.grad` like `loss.backward()` (with `fp32_grads`, into `main_grads()`
+for the bf16 weights); call `zero_grad()` (or
 `optimizer_step()`, which steps the attached optimizer and zeroes) between iterations.
 
 State and checkpoints, keyed by the original model's parameter names so they move across plans,
@@ -255,6 +261,7 @@ class Engine:
         shard_optimizer: bool = False,
         overlap_param_gather: bool = False,
         master_weights: bool = False,
+        fp32_grads: bool = False,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -280,7 +287,10 @@ class Engine:
         docstring). `master_weights` (Megatron's `--bf16`): the optimizer steps an fp32 copy of
         each bf16 parameter (of this replica's share, with `shard_optimizer`), given the bf16
         gradients cast up, and the bf16 weights are set from it after each step (see the module
-        docstring)."""
+        docstring). `fp32_grads` (with `master_weights`, Megatron's
+        `--accumulate-allreduce-grads-in-fp32`): the bf16 parameters' gradients are accumulated
+        over the microbatches, summed across ranks and clipped in fp32 (`main_grads()`), and the
+        master copies step them as they are."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -292,6 +302,13 @@ class Engine:
                                 "False")
         if not isinstance(master_weights, bool):
             raise ArgumentError(f"rank {rank}: Engine(master_weights={master_weights!r}): must be True or False")
+        if not isinstance(fp32_grads, bool):
+            raise ArgumentError(f"rank {rank}: Engine(fp32_grads={fp32_grads!r}): must be True or False")
+        if fp32_grads and not master_weights:
+            raise ArgumentError(f"rank {rank}: Engine(fp32_grads=True) accumulates the bf16 weights' gradients in "
+                                "fp32 for their fp32 master copies, but master_weights is False (the optimizer "
+                                "steps the weights in their own dtype); pass master_weights=True too, or leave "
+                                "fp32_grads off")
         if overlap_param_gather and not shard_optimizer:
             raise ArgumentError(f"rank {rank}: Engine(overlap_param_gather=True) overlaps the broadcast of a sharded "
                                 "optimizer's updated shares with the next step, but shard_optimizer is False (every "
@@ -359,6 +376,19 @@ class Engine:
         self._masters: dict[str, nn.Parameter] = {}
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for each bf16
         parameter that trains in this replica's share (built by `optimizer_parameters`)."""
+        self.fp32_grads = fp32_grads
+        self._main_grads: dict[str, Tensor] = {}
+        """With `fp32_grads`: original name -> the fp32 gradient of a bf16 parameter that trains
+        (its `.grad` stays None: each backward instruction folds what it added there in)."""
+        self._folded: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        """With `fp32_grads`: per stage, the (name, parameter) pairs whose gradients it folds."""
+        if fp32_grads:
+            for index, stage in self.stages.items():
+                names = dict.fromkeys(name for name, _ in stage.named_parameters())
+                self._folded[index] = [(name, self._params[name]) for name in names
+                                       if self._params[name].requires_grad
+                                       and self._params[name].dtype is torch.bfloat16]
+        self._fp32_names = frozenset(name for pairs in self._folded.values() for name, _ in pairs)
         self._optimizer_hooks: list[Any] = []
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
@@ -549,14 +579,48 @@ class Engine:
         replica's bf16 parameters that train (empty before an optimizer is attached)."""
         return dict(self._masters)
 
+    def main_grads(self) -> dict[str, Tensor]:
+        """With `fp32_grads`: original name -> the fp32 gradient of each bf16 parameter that
+        trains on this rank and has one (after `step`: summed over the microbatches and, with
+        replicas, over them, this replica's share only with `shard_optimizer`), as Megatron keeps
+        it in `param.main_grad`; the parameters' `.grad` stay None. Empty without `fp32_grads`."""
+        return dict(self._main_grads)
+
+    def _grad(self, name: str) -> Tensor | None:
+        """Parameter `name`'s gradient: its fp32 one with `fp32_grads`, else its `.grad`."""
+        return self._main_grads.get(name) if name in self._fp32_names else self._params[name].grad
+
+    def _set_grad(self, name: str, grad: Tensor | None) -> None:
+        if name not in self._fp32_names:
+            self._params[name].grad = grad
+        elif grad is None:
+            self._main_grads.pop(name, None)
+        else:
+            self._main_grads[name] = grad
+
+    def _fold_grads(self, index: int) -> None:
+        """With `fp32_grads`, after a backward instruction of stage `index`: what it added to its
+        bf16 parameters' `.grad` goes into their fp32 gradients (as Megatron's hook adds it to
+        `main_grad`), so the microbatches' sum is taken in fp32."""
+        for name, param in self._folded.get(index, ()):
+            grad = param.grad
+            if grad is not None:
+                main = self._main_grads.get(name)
+                if main is None:
+                    self._main_grads[name] = grad.float()
+                else:
+                    main.add_(grad)
+                param.grad = None
+
     def _optimizer_named(self) -> dict[str, nn.Parameter]:
         """Original name -> what the optimizer steps for it (its master copy, else the parameter)."""
         return {name: self._masters.get(name, param) for name, param in self._params.items()}
 
     def _grads_to_masters(self) -> None:
-        """Before the optimizer's step: each master copy's gradient, its bf16 parameter's cast up."""
+        """Before the optimizer's step: each master copy's gradient, its bf16 parameter's cast up
+        (with `fp32_grads`, its fp32 gradient itself)."""
         for name, master in self._masters.items():
-            grad = self._params[name].grad
+            grad = self._grad(name)
             master.grad = None if grad is None else grad.detach().float()
 
     def _masters_to_params(self) -> None:
@@ -713,6 +777,7 @@ class Engine:
     def zero_grad(self) -> None:
         for param in (*self._params.values(), *self._masters.values()):
             param.grad = None
+        self._main_grads.clear()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Collective (every rank calls it, after `step`, before the optimizer): scale this rank's
@@ -731,11 +796,12 @@ class Engine:
         infinite = norm_type == float("inf")
         # each parameter's term (|g|_inf, or |g|_p ** p), in parameter order; a tied one counted
         # on the lowest rank holding it
+        grads = [self._grad(name) for name in self._params]
         terms: list[Tensor | None] = [
-            None if param.grad is None or me != min(self._tied_ranks.get(name, (me,))) else
-            param.grad.detach().abs().max().double() if infinite else
-            torch.linalg.vector_norm(param.grad.detach().double(), norm_type) ** norm_type
-            for name, param in self._params.items()]
+            None if grad is None or me != min(self._tied_ranks.get(name, (me,))) else
+            grad.detach().abs().max().double() if infinite else
+            torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
+            for name, grad in zip(self._params, grads)]
         if self.shard_optimizer and self.replicas.size > 1 and dist.is_initialized():
             # each gradient is on its owner only: gather the terms over the copies (every entry
             # is one replica's term and zeros elsewhere, so the sum is exact) and total them in
@@ -763,9 +829,9 @@ class Engine:
         norm = float(total) if infinite else float(total) ** (1.0 / norm_type)
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
-            for param in self._params.values():
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(scale)
         return norm
 
     def optimizer_step(self) -> None:
@@ -841,10 +907,9 @@ class Engine:
         self._tied_earlier = {}
         every = self.replicas.size > 1 or self.loss_scaler is not None
         for name in (sorted(self._params) if every else sorted(self._tied_ranks)) if not self._evaluating else ():
-            param = self._params.get(name)
-            if param is not None:
-                self._tied_earlier[name] = param.grad
-                param.grad = None
+            if name in self._params:
+                self._tied_earlier[name] = self._grad(name)
+                self._set_grad(name, None)
         handlers = self._handlers
         timeline = self.timeline
         clock = time.perf_counter
@@ -1089,6 +1154,8 @@ class Engine:
                     producer.output_grads[b] = grad if current is None else current + grad
             else:
                 input_grads[k] = grad
+        if self._folded:
+            self._fold_grads(index)
         # drop the microbatch's activations now; what remains is sent (input_grads) or run at W (stash)
         slot.input_grads = input_grads
         slot.inputs = None
@@ -1107,6 +1174,8 @@ class Engine:
         if slot.stash is not None:
             slot.stash.run()
             slot.stash = None
+        if self._folded:
+            self._fold_grads(i.stage)  # type: ignore[arg-type]
 
     # iteration end
     def _reduce_tied(self, i: Instruction) -> None:
@@ -1116,12 +1185,15 @@ class Engine:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: this rank holds no parameter {i.param!r}")
         if not param.requires_grad:
             return  # frozen (on every rank: compile copies the model's flags): no gradient, as in the plain model
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
+        name: str = i.param  # type: ignore[assignment]
+        grad = self._grad(name)
+        if grad is None:
+            grad = torch.zeros_like(param, dtype=torch.float32 if name in self._fp32_names else param.dtype)
+            self._set_grad(name, grad)
         if group is None and self.world_size > 1:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: no process group for ranks {i.ranks}")
         if group is not None:
-            self._reductions.append(self.transport.all_reduce(param.grad, self._where(i), group))
+            self._reductions.append(self.transport.all_reduce(grad, self._where(i), group))
 
     def _step(self, i: Instruction) -> None:
         for pending in self._outgoing:
@@ -1137,8 +1209,8 @@ class Engine:
         mine = self.replicas.replica
         for name, earlier in self._tied_earlier.items():
             if earlier is not None and (not self.shard_optimizer or self.shard_owners[name] == mine):
-                param = self._params[name]
-                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
+                grad = self._grad(name)
+                self._set_grad(name, earlier if grad is None else earlier.add_(grad))
         self._tied_earlier = {}
         if self._inbox:
             raise ExecutionError(f"rank {self.rank}: {self._where(i)}: {len(self._inbox)} received messages were never "
@@ -1157,16 +1229,18 @@ class Engine:
         assert scaler is not None
         inverse = 1.0 / scaler.scale
         found = torch.zeros((), dtype=torch.float32, device=self.device)
-        for param in self._params.values():
-            if param.grad is not None:
-                param.grad.mul_(inverse)
-                found = torch.maximum(found, (~torch.isfinite(param.grad)).any().float())
+        for name in self._params:
+            grad = self._grad(name)
+            if grad is not None:
+                grad.mul_(inverse)
+                found = torch.maximum(found, (~torch.isfinite(grad)).any().float())
         if self.world_size > 1 and dist.is_initialized():
             self.transport.finish(self.transport.all_reduce(found, f"{self._where(i)}: the inf/nan check of fp16"))
         self.skipped_step = bool(found > 0)
         if self.skipped_step:
             for param in self._params.values():
                 param.grad = None
+            self._main_grads.clear()
             self._tied_earlier = {}
         scaler.update(self.skipped_step)
 
@@ -1223,13 +1297,13 @@ class Engine:
         back (sharded: the owner's; the others' gradients are dropped)."""
         groups: dict[tuple[int, torch.dtype], list[str]] = {}
         for name in names:
-            grad = self._params[name].grad
+            grad = self._grad(name)
             if grad is not None:
                 owner = self.shard_owners[name] if self.shard_optimizer else -1
                 groups.setdefault((owner, grad.dtype), []).append(name)
         ranks = self.replicas.data_ranks(self.replicas.stage_rank)
         for (owner, _), group in groups.items():
-            grads = [self._params[name].grad for name in group]
+            grads = [self._grad(name) for name in group]
             flat = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
             if owner < 0:
                 pending = self.transport.all_reduce(flat, where, self._data_group)
@@ -1247,13 +1321,12 @@ class Engine:
             self.transport.finish(pending)
             offset = 0
             for name in names:
-                param = self._params[name]
-                grad = param.grad
+                grad = self._grad(name)
                 assert grad is not None
                 if mine:
                     grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 else:  # another replica's share: only partly summed here, and its optimizer steps it
-                    param.grad = None
+                    self._set_grad(name, None)
                 offset += grad.numel()
         self._bucket_work = []
 
