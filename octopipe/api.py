@@ -997,7 +997,10 @@ def compile(
     every engine's optimizer steps an fp32 copy of each bf16 weight and rounds the weight from it
     after each step (see `runtime/engine.py`); `optimizer`'s memory then counts the copy and the
     optimizer's fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; the default
-    mixed-precision Adam already is this).
+    mixed-precision Adam already is this). fp16 weights (`model.half()`, Megatron's `--fp16`) are
+    taken too, with fp32_grads: every engine then scales the loss dynamically (`runtime/amp.py`'s
+    `LossScaler`, GradScaler's rule and defaults, as under autocast="fp16"), unscales the fp32
+    gradients and skips the step on an inf or nan anywhere.
     fp32_grads (with master_weights; Megatron's `--accumulate-allreduce-grads-in-fp32`, its
     default under `--bf16`): every engine accumulates the bf16 weights' gradients over the
     microbatches in fp32, sums them across ranks (tied copies, replicas) and clips them in fp32,
@@ -1112,12 +1115,18 @@ def compile(
         if optimizer is not None:
             memory = _optimizer_memory(optimizer, model, table, memory, data_parallel if shard_optimizer else 1,
                                        master_weights=master_weights, fp32_grads=fp32_grads)
-        if master_weights and not any(p.requires_grad and p.dtype is torch.bfloat16 for p in model.parameters()):
+        if master_weights and not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)
+                                      for p in model.parameters()):
             dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
-            raise ArgumentError(f"compile: master_weights=True keeps fp32 copies of the model's bf16 weights for the "
-                                f"optimizer, but none of its weights that train is bf16 ({', '.join(dtypes) or 'none'}); "
-                                "cast the model first (model.bfloat16()), or leave master_weights off (fp32 weights "
+            raise ArgumentError(f"compile: master_weights=True keeps fp32 copies of the model's bf16 (or fp16) weights "
+                                f"for the optimizer, but none of its weights that train is ({', '.join(dtypes) or 'none'}"
+                                "); cast the model first (model.bfloat16()), or leave master_weights off (fp32 weights "
                                 "train under autocast='bf16' without copies)")
+        if master_weights and not fp32_grads and any(p.requires_grad and p.dtype is torch.float16
+                                                     for p in model.parameters()):
+            raise ArgumentError("compile: master_weights=True with fp16 weights (Megatron's --fp16) needs "
+                                "fp32_grads=True: their loss-scaled gradients are accumulated and unscaled in fp32 "
+                                "(fp16 would flush the small ones to zero); pass fp32_grads=True too")
         if overlap_param_gather and data_parallel > 1:
             memory = replace(memory, overlap_param_gather=True)  # (sharded above: shards = data_parallel)
         report = None

@@ -263,18 +263,33 @@ def _cluster(args: argparse.Namespace, default: str = "h100x8", devices: int | N
     return cluster
 
 
+def _half_weights(args: argparse.Namespace) -> Any:
+    """The dtype `--bf16-weights` or `--fp16-weights` trains the weights in, or None."""
+    import torch
+
+    return (torch.bfloat16 if getattr(args, "bf16_weights", False) else
+            torch.float16 if getattr(args, "fp16_weights", False) else None)
+
+
+def _master_weights(args: argparse.Namespace) -> bool:
+    """Whether the engines keep fp32 copies of the weights (`--bf16-weights`, `--fp16-weights`)."""
+    return bool(getattr(args, "bf16_weights", False) or getattr(args, "fp16_weights", False))
+
+
 def _weights_dtype(args: argparse.Namespace, model: Any, inputs: tuple) -> tuple[Any, tuple]:
-    """`train --bf16-weights`: the model cast to bf16 (the engines keep fp32 copies for the
-    optimizer), and its floating-point inputs with it (`_inputs_dtype`)."""
-    return (model.bfloat16() if getattr(args, "bf16_weights", False) else model), _inputs_dtype(args, inputs)
+    """`train --bf16-weights` (`--fp16-weights`): the model cast to bf16 (fp16; the engines keep
+    fp32 copies for the optimizer), and its floating-point inputs with it (`_inputs_dtype`)."""
+    dtype = _half_weights(args)
+    return (model.to(dtype) if dtype is not None else model), _inputs_dtype(args, inputs)
 
 
 def _inputs_dtype(args: argparse.Namespace, inputs: tuple) -> tuple:
-    """`--bf16-weights`: a batch's floating-point inputs in bf16, as the weights (a vision model's
-    pixels); otherwise the batch as it is."""
-    if not getattr(args, "bf16_weights", False):
+    """`--bf16-weights` (`--fp16-weights`): a batch's floating-point inputs in bf16 (fp16), as the
+    weights (a vision model's pixels); otherwise the batch as it is."""
+    dtype = _half_weights(args)
+    if dtype is None:
         return inputs
-    return tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
 
 
 def _load_model(args: argparse.Namespace):
@@ -846,7 +861,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -857,7 +872,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
               f"processes), each on the same batch here; summing their gradients takes up to "
               f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction){sharded}")
-    if pipe.master_weights:
+    if pipe.master_weights and args.fp16_weights:
+        print("fp16 weights; the optimizer steps fp32 copies of them, the loss scaled dynamically and the gradients "
+              "accumulated, unscaled, summed and clipped in fp32 (--fp16-weights)")
+    elif pipe.master_weights:
         print("bf16 weights; the optimizer steps fp32 copies of them (--bf16-weights); "
               + ("the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" if pipe.fp32_grads else
                  "bf16 gradients"))
@@ -889,8 +907,12 @@ def _need_sharded_state(args: argparse.Namespace, command: str, replicas: str) -
     if args.overlap_param_gather and not args.shard_optimizer:
         raise OctopipeError(f"{command} --overlap-param-gather: it overlaps the broadcast of a sharded optimizer's "
                             f"updated shares with the next step; give --shard-optimizer (and {replicas}) too")
+    if getattr(args, "fp16_weights", False):
+        if args.bf16_weights:
+            raise OctopipeError(f"{command}: give --bf16-weights or --fp16-weights, not both")
+        args.fp32_grads = True  # (fp16 weights' loss-scaled gradients are accumulated and unscaled in fp32)
     mixed = command == "plan" and args.optimizer == "mixed-adam"  # (mixed-adam's copies are fp32 already)
-    if args.fp32_grads and not args.bf16_weights and not mixed:
+    if args.fp32_grads and not _master_weights(args) and not mixed:
         raise OctopipeError(f"{command} --fp32-grads: it accumulates the gradients of bf16 weights in fp32 for their "
                             f"fp32 copies; give --bf16-weights too")
 
@@ -1050,7 +1072,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      autocast=args.autocast, data_parallel=args.data_parallel,
                                      optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1069,7 +1091,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
     init: Any = args.init
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1161,7 +1183,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
                                     ("--overlap-param-gather", args.overlap_param_gather),
-                                    ("--bf16-weights", args.bf16_weights), ("--fp32-grads", args.fp32_grads),
+                                    ("--bf16-weights", args.bf16_weights), ("--fp16-weights", args.fp16_weights),
+                                    ("--fp32-grads", args.fp32_grads and not args.fp16_weights),
                                     ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
@@ -1260,7 +1283,7 @@ def _check_compiles(args: argparse.Namespace, cluster: Any, model: Any, examples
                          effort=PLAN_CHECK_EFFORT, autocast=args.autocast, data_parallel=args.data_parallel,
                          optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=args.bf16_weights, fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
     except InfeasibleError:
         if plan is not None or args.schedule:
             raise
@@ -1434,6 +1457,12 @@ def _parser() -> argparse.ArgumentParser:
                         "ranks and clip them in fp32, the copies stepping them as they are (Megatron's "
                         "--accumulate-allreduce-grads-in-fp32, its default under --bf16); the plan counts 4 bytes "
                         "a weight of gradient and prices the fp32 sums")
+    p.add_argument("--fp16-weights", action="store_true",
+                   help="train the model's weights in fp16, the optimizer stepping fp32 copies of them (Megatron's "
+                        "--fp16): the loss scaled dynamically (GradScaler's rule, across ranks), the gradients "
+                        "accumulated, unscaled, summed and clipped in fp32 (--fp32-grads implied), a step with an "
+                        "inf or nan gradient anywhere skipped; the plan's memory counts as for --bf16-weights "
+                        "--fp32-grads")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

@@ -794,6 +794,17 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
         assert "the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" in out
         runs.append([float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)])
     assert len(runs[0]) == 3 and runs[0] == runs[1] and runs[0][0] == losses[0]
+    # Megatron's --fp16: fp16 weights, the loss scaled, fp32 gradients and copies
+    runs = []
+    for replicas in ([], ["--data-parallel", "2", "--shard-optimizer"]):
+        assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--fp16-weights",
+                     "--schedule", "1f1b", "--quiet", *replicas]) == EXIT_OK
+        out = capsys.readouterr().out
+        assert "fp16 weights; the optimizer steps fp32 copies of them, the loss scaled dynamically" in out
+        runs.append([float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)])
+    assert len(runs[0]) == 3 and runs[0] == runs[1] and runs[0][2] < runs[0][0]
+    assert main(["train", "--model", "llama", "--fp16-weights", "--bf16-weights"]) == EXIT_ERROR
+    assert "give --bf16-weights or --fp16-weights, not both" in capsys.readouterr().err
     assert main(["train", "--model", "llama", "--fp32-grads", "--torchrun"]) == EXIT_ERROR
     assert "--fp32-grads: it accumulates the gradients of bf16 weights in fp32" in capsys.readouterr().err
     # a vision model's pixels are cast with its weights
@@ -1169,7 +1180,8 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights", "--fp32-grads"]])
+@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights", "--fp32-grads"],
+                                   ["--fp16-weights"]])
 def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys, extra):
     # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
     # (then beside the next step, and from fp32 copies of bf16 weights: stop 44's first torchrun

@@ -331,9 +331,9 @@ class Engine:
                                 f"got {type(loss_weight).__name__}")
         self.loss_weight = loss_weight
         self.autocast = amp.autocast_dtype(autocast, f"rank {rank}: Engine(autocast=...)")
-        if loss_scaler is not None and self.autocast is not torch.float16:
-            raise ArgumentError(f"rank {rank}: Engine(loss_scaler=...) is for fp16 autocast (bf16 and fp32 need no "
-                                f"loss scaling), but autocast is {self.autocast}")
+        if loss_scaler is not None and self.autocast is not torch.float16 and not master_weights:
+            raise ArgumentError(f"rank {rank}: Engine(loss_scaler=...) is for fp16 autocast or fp16 weights with "
+                                f"master copies (bf16 and fp32 need no loss scaling), but autocast is {self.autocast}")
         self.loss_scaler = (loss_scaler or amp.LossScaler()) if self.autocast is torch.float16 else None
         self.skipped_step = False
         """fp16: whether the last `step` found an inf or nan gradient and dropped the gradients."""
@@ -364,15 +364,22 @@ class Engine:
         self._gathering: dict[int, list[tuple[Pending, list[Tensor], Tensor, int]]] = {}
         """With `overlap_param_gather`: per stage, its shares' broadcasts still running since the step."""
         self.master_weights = master_weights
+        # with master_weights: this rank's fp16 weights that train (then every rank scales the loss)
+        half = sorted(name for name, param in self._params.items()
+                      if param.requires_grad and param.dtype is torch.float16) if master_weights else []
         if master_weights:
             low = sorted(name for name, param in self._params.items()
-                         if param.is_floating_point() and param.dtype not in (torch.float32, torch.bfloat16,
-                                                                              torch.float64))
+                         if param.is_floating_point() and param.dtype not in (torch.float32, torch.float64)
+                         and param.dtype not in HALF_DTYPES)
             if low:
-                raise ArgumentError(f"rank {rank}: Engine(master_weights=True) keeps fp32 copies of bf16 weights, but "
-                                    f"{low[0]!r} is {self._params[low[0]].dtype} (fp16 weights would need their "
-                                    "gradients loss-scaled); cast the model to torch.bfloat16, or keep fp32 weights "
-                                    "and train under autocast='fp16'")
+                raise ArgumentError(f"rank {rank}: Engine(master_weights=True) keeps fp32 copies of bf16 or fp16 "
+                                    f"weights, but {low[0]!r} is {self._params[low[0]].dtype}; cast the model to "
+                                    "torch.bfloat16 (or torch.float16)")
+            if half and not fp32_grads:
+                raise ArgumentError(f"rank {rank}: Engine(master_weights=True) with fp16 weights ({half[0]!r}, ...) "
+                                    "needs fp32_grads=True: their loss-scaled gradients are accumulated and unscaled "
+                                    "in fp32, as Megatron's --fp16 does (fp16 would flush the small ones to zero; "
+                                    "torch's GradScaler refuses fp16 gradients); pass fp32_grads=True too")
         self._masters: dict[str, nn.Parameter] = {}
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for each bf16
         parameter that trains in this replica's share (built by `optimizer_parameters`)."""
@@ -387,7 +394,7 @@ class Engine:
                 names = dict.fromkeys(name for name, _ in stage.named_parameters())
                 self._folded[index] = [(name, self._params[name]) for name in names
                                        if self._params[name].requires_grad
-                                       and self._params[name].dtype is torch.bfloat16]
+                                       and self._params[name].dtype in HALF_DTYPES]
         self._fp32_names = frozenset(name for pairs in self._folded.values() for name, _ in pairs)
         self._optimizer_hooks: list[Any] = []
         self._plan_inputs()
@@ -403,8 +410,18 @@ class Engine:
                 self._broadcast_tied()  # each rank drew its own values: the copies of a tied parameter must agree
             if self.replicas.size > 1:
                 self._broadcast_from_first_replica()  # as DDP does: the replicas start equal, whatever each drew
+            if master_weights:  # fp16 weights anywhere: every rank scales, unscales and checks (collectively)
+                anywhere = torch.tensor(float(bool(half)), device=self.device)
+                if world_size > 1 and dist.is_initialized():
+                    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+                if anywhere > 0 and self.loss_scaler is None:
+                    self.loss_scaler = loss_scaler or amp.LossScaler()
         except RuntimeError as exc:
             raise self.transport.error("setting up the engine (collectives every rank joins)", -1, exc) from exc
+        if loss_scaler is not None and self.loss_scaler is None:
+            raise ArgumentError(f"rank {rank}: Engine(loss_scaler=...) is for fp16 autocast or fp16 weights with "
+                                "master copies, but the model's weights are bf16 or fp32 and autocast is "
+                                f"{self.autocast} (no loss scaling needed); leave loss_scaler out")
         self.optimizer: torch.optim.Optimizer | None = None
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
@@ -570,7 +587,7 @@ class Engine:
         if self.master_weights:
             for name in names:
                 param = self._params[name]
-                if name not in self._masters and param.requires_grad and param.dtype is torch.bfloat16:
+                if name not in self._masters and param.requires_grad and param.dtype in HALF_DTYPES:
                     self._masters[name] = nn.Parameter(param.detach().float().clone())
         return [self._masters.get(name, self._params[name]) for name in names]
 
@@ -1478,6 +1495,9 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
                          for g in raw["param_groups"]],
     }
 
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+"""The weights' dtypes `master_weights` keeps fp32 copies of (and `fp32_grads` fp32 gradients for)."""
 
 MASTER_KEY = "master"
 """Where a named optimizer state keeps a master copy's fp32 values (`Engine(master_weights=True)`)."""

@@ -4,15 +4,18 @@ into an fp32 gradient (`Engine.main_grads()`), which the tied and data-parallel 
 and clipping scales in fp32 and the fp32 master copies step as it is. A 2-rank pipeline, with
 and without split backwards, equals that scheme on one device bit for bit (and differs from
 accumulating in bf16); two replicas of a tied model with the state sharded and the gather
-overlapped equal the unsharded run; the memory model and the simulation count fp32 gradients."""
+overlapped equal the unsharded run; the memory model and the simulation count fp32 gradients.
+fp16 weights (Megatron's `--fp16`) add dynamic loss scaling: equal to that scheme on one device,
+a step that overflows skipped on every rank."""
 
 import pytest
 import torch
 
 import octopipe
 from octopipe import MemoryModel, models
-from octopipe.errors import ArgumentError
+from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.runtime import launch
+from octopipe.runtime.amp import LossScaler
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:compile. shard_optimizer splits whole parameters")]
@@ -213,3 +216,91 @@ def test_fp32_grads_memory_and_simulated_reductions():
         _pipe(fp32_grads=False, memory=MemoryModel(grad_bytes_per_param_byte=2.0))
     with pytest.raises(ArgumentError, match="fp32_grads must be True or False"):
         _pipe(fp32_grads=1)
+
+
+def _fp16(rank, world_size, init_scale):
+    inputs, target = _batch()
+    pipe = octopipe.compile(_model().half(), "cpux2", example_inputs=inputs, example_target=target,
+                            loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="zb-h1",
+                            master_weights=True, fp32_grads=True, quiet=True)
+    engine = pipe.engine(rank, timeout_s=60, optimizer=_adamw, loss_scaler=LossScaler(init_scale=init_scale))
+    losses, skipped, scales = [], [], []
+    for _ in range(STEPS):
+        losses.append(engine.step(inputs, target))
+        skipped.append(engine.skipped_step)
+        scales.append(engine.loss_scaler.scale)
+        engine.optimizer_step()
+    return dict(losses=losses, skipped=skipped, scales=scales, has_params=bool(engine.master_parameters()),
+                params={n: p.detach().clone() for n, p in engine.named_parameters()},
+                masters={n: p.detach().clone() for n, p in engine.master_parameters().items()})
+
+
+def _fp16_reference(init_scale):
+    """Megatron's --fp16 on one device: fp16 forwards and backwards from the microbatch's weight
+    times the loss scale, the fp16 gradients added into fp32 ones, unscaled there, the step
+    skipped (and the scale halved) on an inf or nan, else AdamW over fp32 copies."""
+    model = _model().half()
+    inputs, target = _batch()
+    masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in model.named_parameters()}
+    optimizer = _adamw(list(masters.values()))
+    scale, losses, skipped = init_scale, [], []
+    for _ in range(STEPS):
+        total = torch.zeros(())
+        main = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+        for x, y in zip(inputs[0].chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+            loss = models.lm_loss(model(x), y)
+            total += loss.detach().float() * (1.0 / MICROBATCHES)
+            loss.backward(torch.full_like(loss, (1.0 / MICROBATCHES) * scale))
+            for name, param in model.named_parameters():
+                main[name] += param.grad
+                param.grad = None
+        losses.append(float(total))
+        for grad in main.values():
+            grad.mul_(1.0 / scale)
+        bad = not all(torch.isfinite(grad).all() for grad in main.values())
+        skipped.append(bad)
+        scale = scale * 0.5 if bad else scale
+        if not bad:
+            for name in masters:
+                masters[name].grad = main[name]
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(masters[name])
+    return losses, skipped, dict(model.named_parameters()), masters
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("init_scale", [2.0**10, 2.0**18])
+def test_fp16_weights_scale_the_loss_and_step_fp32_copies_as_megatron_fp16_on_one_device(init_scale):
+    # 2**10: every step goes through; 2**18 overflows fp16 (max 65504) in the first step, which
+    # both ranks skip (the weights and copies left as they were), then goes through at 2**17
+    per_rank = launch(_fp16, 2, args=(init_scale,), timeout_s=240)
+    losses, skipped, params, masters = _fp16_reference(init_scale)
+    assert skipped == ([False] * STEPS if init_scale < 2**16 else [True] + [False] * (STEPS - 1))
+    got = {n: v for rank in per_rank for n, v in rank["params"].items()}
+    got_masters = {n: v for rank in per_rank for n, v in rank["masters"].items()}
+    for rank in per_rank:
+        assert rank["losses"] == losses and rank["skipped"] == skipped
+        assert rank["scales"] == [init_scale * 0.5 ** sum(skipped[:k + 1]) for k in range(STEPS)]
+        assert rank["has_params"]
+    assert set(got) == set(params) == set(got_masters)
+    for name, value in params.items():
+        assert value.dtype is torch.float16 and got_masters[name].dtype is torch.float32
+        assert torch.equal(got[name], value), name
+        assert torch.equal(got_masters[name], masters[name]), name
+
+
+def test_fp16_weights_need_fp32_grads_and_bf16_ones_no_loss_scaler():
+    inputs, target = _batch()
+    with pytest.raises(ArgumentError, match="needs fp32_grads=True"):
+        octopipe.compile(_model().half(), "cpux2", example_inputs=inputs, example_target=target,
+                         loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b", master_weights=True)
+    pipe = _pipe()  # bf16 weights: no loss scaling
+    with pytest.raises(ExecutionError, match="no loss scaling needed"):
+        launch(_engine_with_scaler, 2, args=(pipe,), timeout_s=120)
+
+
+def _engine_with_scaler(rank, world_size, pipe):
+    pipe.engine(rank, timeout_s=30, loss_scaler=LossScaler())
