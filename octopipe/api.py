@@ -1119,7 +1119,7 @@ def compile(
                                       for p in model.parameters()):
             dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
             raise ArgumentError(f"compile: master_weights=True keeps fp32 copies of the model's bf16 (or fp16) weights "
-                                f"for the optimizer, but none of its weights that train is ({', '.join(dtypes) or 'none'}"
+                                f"for the optimizer, but none of its weights that train is bf16 or fp16 ({', '.join(dtypes) or 'none'}"
                                 "); cast the model first (model.bfloat16()), or leave master_weights off (fp32 weights "
                                 "train under autocast='bf16' without copies)")
         if master_weights and not fp32_grads and any(p.requires_grad and p.dtype is torch.float16

@@ -135,11 +135,12 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
-                  update_in_warmup: bool = True) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
+                  update_in_warmup: bool = True, init: Any = None
+                  ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    engines = [pipe.engine(rank) for pipe in pipes]
+    engines = [pipe.engine(rank, init=init) for pipe in pipes]
     optimizers = [attached_optimizer(e, optimizer, learning_rate) if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
@@ -207,16 +208,17 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
-                  clip_grad: float | None = None, update_in_warmup: bool = True) -> StepTiming:
+                  clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
     `clip_grad` across ranks (`Engine.clip_grad_norm_`) when given. `update_in_warmup=False`:
     the warm-up steps run forward and backward only (the gradients are dropped) and leave no trace
     (buffers, dropout streams and loss scale are restored after them), so the model takes exactly
-    `steps` updates and the steps draw what they would without the warm-up."""
+    `steps` updates and the steps draw what they would without the warm-up. `init`: every engine's
+    (`Engine(init=...)`: a checkpoint's weights, and with master weights its fp32 copies)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
-                    clip_grad, update_in_warmup=update_in_warmup)[0][0]
+                    clip_grad, update_in_warmup=update_in_warmup, init=init)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -261,7 +263,7 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
-             clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True
+             clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -274,7 +276,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup),
+                                                        link, update_in_warmup, init),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -881,8 +881,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                  "bf16 gradients"))
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
+    # with master weights the engines also start their fp32 copies from the checkpoint's
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
-                           optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False)
+                           optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
+                           init=args.init if pipe.master_weights else None)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
@@ -1451,7 +1453,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-weights", action="store_true",
                    help="train the model's weights in bf16, the optimizer stepping fp32 copies of them (Megatron's "
                         "--bf16): forwards, backwards and gradients in bf16, each weight rounded from its copy after "
-                        "the step; the plan's memory counts the copies (--init loads the weights, rounded to bf16)")
+                        "the step; the plan's memory counts the copies (--init loads the weights, rounded to bf16, and "
+                        "starts the copies from the checkpoint's fp32 ones where it holds them)")
     p.add_argument("--fp32-grads", action="store_true",
                    help="with --bf16-weights: accumulate the gradients over the microbatches, sum them over the "
                         "ranks and clip them in fp32, the copies stepping them as they are (Megatron's "

@@ -383,6 +383,15 @@ class Engine:
         self._masters: dict[str, nn.Parameter] = {}
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for each bf16
         parameter that trains in this replica's share (built by `optimizer_parameters`)."""
+        self._init_masters: dict[str, Tensor] = {}
+        """With `master_weights` and a checkpoint `init` that holds fp32 copies (`MASTER_KEY`):
+        their values, which the copies start from instead of the weights' bf16 rounding."""
+        if master_weights and init is not None and is_checkpoint(init):
+            state = checkpoint_state(init, torch.device("cpu"), rank)
+            for name, param in self._params.items():
+                saved = saved_master(state, name) if state is not None else None
+                if saved is not None and param.dtype in HALF_DTYPES and saved.shape == param.shape:
+                    self._init_masters[name] = saved.detach().to(self.device, torch.float32)
         self.fp32_grads = fp32_grads
         self._main_grads: dict[str, Tensor] = {}
         """With `fp32_grads`: original name -> the fp32 gradient of a bf16 parameter that trains
@@ -588,7 +597,10 @@ class Engine:
             for name in names:
                 param = self._params[name]
                 if name not in self._masters and param.requires_grad and param.dtype in HALF_DTYPES:
-                    self._masters[name] = nn.Parameter(param.detach().float().clone())
+                    start = self._init_masters.pop(name, None)
+                    if start is None or not torch.equal(start.to(param.dtype), param.detach()):
+                        start = param.detach().float()  # (no saved copy, or the weight has changed since)
+                    self._masters[name] = nn.Parameter(start.clone())
         return [self._masters.get(name, self._params[name]) for name in names]
 
     def master_parameters(self) -> dict[str, nn.Parameter]:

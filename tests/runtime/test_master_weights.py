@@ -172,14 +172,14 @@ def test_master_weights_arguments_and_memory():
     assert pipe.master_weights and pipe.simulation.memory.state_bytes_per_param_byte == pytest.approx(8.0)
     assert _pipe(False, optimizer="adamw").simulation.memory.state_bytes_per_param_byte == pytest.approx(4.0)
     inputs, target = _batch()
-    with pytest.raises(ArgumentError, match=r"none of its weights that train is bf16 \(float32\).*model.bfloat16\(\)"):
+    with pytest.raises(ArgumentError, match=r"none of its weights that train is bf16 or fp16 \(float32\).*model.bfloat16\(\)"):
         octopipe.compile(models.build("llama", "tiny"), "cpux2", example_inputs=inputs, example_target=target,
                          loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b", master_weights=True)
     with pytest.raises(ArgumentError, match="master_weights must be True or False"):
         _pipe(master_weights="yes")
     half = octopipe.compile(models.build("llama", "tiny").half(), "cpux2", example_inputs=inputs,
                             example_target=target, loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b")
-    with pytest.raises(ArgumentError, match="is torch.float16 .* cast the model to torch.bfloat16"):
+    with pytest.raises(ArgumentError, match="with fp16 weights .* needs fp32_grads=True"):
         half.engine(0, master_weights=True)
 
 
@@ -196,3 +196,27 @@ def _refused(rank, world_size):
 def test_an_optimizer_over_the_bf16_weights_themselves_is_refused():
     for message in launch(_refused, 2, timeout_s=60):
         assert message is not None and "master_weights keeps an fp32 copy" in message
+
+
+def _from_init(rank, world_size, path):
+    inputs, target = _batch()
+    engine = _pipe().engine(rank, timeout_s=60, optimizer=_adamw)
+    engine.step(inputs, target)
+    engine.optimizer_step()  # the copies now hold more than their weights' bf16 rounding
+    engine.save_checkpoint(path)
+    saved = {n: p.detach().clone() for n, p in engine.master_parameters().items()}
+    started = _pipe().engine(rank, timeout_s=60, init=path, optimizer=_adamw)
+    return saved, {n: p.detach().clone() for n, p in started.master_parameters().items()}, \
+        {n: p.detach().clone() for n, p in started.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_init_starts_the_copies_from_its_fp32_values(tmp_path):
+    # Engine(init=checkpoint) (train --init): the weights are the checkpoint's rounded to bf16,
+    # and the fp32 copies the checkpoint's own, not that rounding cast up
+    for saved, started, weights in launch(_from_init, 2, args=(str(tmp_path / "ckpt.pt"),), timeout_s=100):
+        assert set(saved) == set(started) and saved
+        for name, value in saved.items():
+            assert torch.equal(started[name], value), name
+            assert torch.equal(weights[name], value.bfloat16()), name
+        assert any(not torch.equal(value, value.bfloat16().float()) for value in saved.values())
