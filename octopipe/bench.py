@@ -45,6 +45,12 @@ class StepTiming:
     """Where recorded (as `busy_ms`), per timed step: every op's measured time, all ranks, keyed
     (op kind "F"/"B"/"W", stage, microbatch); an op's time is its compute plus the posting of the
     messages it sends, as the simulator counts them (`replayed_ms` re-simulates a step from them)."""
+    loss_scales: tuple[float | None, ...] = ()
+    """Per timed step, with fp16 loss scaling (fp16 autocast or fp16 weights): the scale after
+    the step, and whether the step was skipped for an inf or nan gradient (`skipped`); None
+    without loss scaling."""
+    skipped: tuple[bool, ...] = ()
+    """Per timed step: whether the engines dropped its gradients (`Engine.skipped_step`)."""
 
     @property
     def median_ms(self) -> float:
@@ -135,15 +141,20 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
-                  update_in_warmup: bool = True, init: Any = None
+                  update_in_warmup: bool = True, init: Any = None, loss_scale: float | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
+    from octopipe.runtime.amp import LossScaler
+
     torch.manual_seed(0)
-    engines = [pipe.engine(rank, init=init) for pipe in pipes]
+    engines = [pipe.engine(rank, init=init, **({"loss_scaler": LossScaler(loss_scale)} if loss_scale else {}))
+               for pipe in pipes]
     optimizers = [attached_optimizer(e, optimizer, learning_rate) if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
+    scales: list[list[float | None]] = [[] for _ in pipes]
+    skipped: list[list[bool]] = [[] for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
     op_spans: list[list[dict[tuple[str, int, int], float]]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
@@ -181,6 +192,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
+                scales[index].append(engine.loss_scaler.scale if engine.loss_scaler is not None else None)
+                skipped[index].append(engine.skipped_step)
             if probe:
                 busy[index].append(0.0)
                 spans: dict[tuple[str, int, int], float] = {}
@@ -202,13 +215,14 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
-    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o))
-            for t, values, b, o in zip(times, losses, busy, op_spans)], durations, link_rounds
+    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
+            for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
-                  clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None) -> StepTiming:
+                  clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
+                  loss_scale: float | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -216,9 +230,10 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     the warm-up steps run forward and backward only (the gradients are dropped) and leave no trace
     (buffers, dropout streams and loss scale are restored after them), so the model takes exactly
     `steps` updates and the steps draw what they would without the warm-up. `init`: every engine's
-    (`Engine(init=...)`: a checkpoint's weights, and with master weights its fp32 copies)."""
+    (`Engine(init=...)`: a checkpoint's weights, and with master weights its fp32 copies).
+    `loss_scale`: fp16 loss scaling's initial scale (`LossScaler(init_scale)`; default 2**16)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
-                    clip_grad, update_in_warmup=update_in_warmup, init=init)[0][0]
+                    clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scale=loss_scale)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -263,8 +278,8 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
-             clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None
-             ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
+             clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
+             loss_scale: float | None = None) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
     None without `link` or with one process)."""
@@ -276,7 +291,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup, init),
+                                                        link, update_in_warmup, init, loss_scale),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -816,6 +816,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
     _need_sharded_state(args, "train", "--data-parallel D")
+    if args.initial_loss_scale and not (args.fp16_weights or args.autocast == "fp16"):
+        raise OctopipeError(f"train --initial-loss-scale {args.initial_loss_scale:g}: only fp16 scales its loss; give "
+                            "--fp16-weights or --autocast fp16 too")
     if args.nprocs % args.data_parallel:
         raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
                             "(it counts every rank of every replica)")
@@ -884,9 +887,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # with master weights the engines also start their fp32 copies from the checkpoint's
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
-                           init=args.init if pipe.master_weights else None)
+                           init=args.init if pipe.master_weights else None, loss_scale=args.initial_loss_scale)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
-        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms")
+        skipped = step < len(timing.skipped) and timing.skipped[step]
+        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else ""))
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
@@ -894,6 +898,18 @@ def cmd_train(args: argparse.Namespace) -> int:
               "overheads (large for small models on CPUs); --profile plans with measured costs, and its prediction "
               "is the one to compare", file=sys.stderr)
     return EXIT_OK
+
+
+def _loss_scaler(args: argparse.Namespace) -> dict[str, Any]:
+    """`train --initial-loss-scale`: the engines' `loss_scaler` option, or none (the default scale)."""
+    from octopipe.runtime.amp import LossScaler
+
+    return {"loss_scaler": LossScaler(args.initial_loss_scale)} if args.initial_loss_scale else {}
+
+
+def _skipped_note(scale: float | None) -> str:
+    """What a `train` step line adds where fp16 loss scaling skipped the step."""
+    return f"  (skipped: an inf or nan gradient; loss scale now {scale:g})"
 
 
 OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
@@ -1102,7 +1118,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         # as local train seeds its engines (bench._train_worker): the stages' dropout streams
         # derive from it, so both draw the same masks whatever the factory seeded last
         torch.manual_seed(0)
-    engine = pipe.engine(rank, device=device, init=init)
+    engine = pipe.engine(rank, device=device, init=init, **_loss_scaler(args))
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
     optimizer = attached_optimizer(engine, args.optimizer, args.lr)
@@ -1119,7 +1135,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
-            print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms", flush=True)
+            print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
+                  + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
+                     if engine.skipped_step else ""), flush=True)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
@@ -1181,6 +1199,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
     words += ["--autocast", args.autocast] if args.autocast else []
+    words += ["--initial-loss-scale", str(args.initial_loss_scale)] if args.initial_loss_scale else []
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
@@ -1466,6 +1485,10 @@ def _parser() -> argparse.ArgumentParser:
                         "accumulated, unscaled, summed and clipped in fp32 (--fp32-grads implied), a step with an "
                         "inf or nan gradient anywhere skipped; the plan's memory counts as for --bf16-weights "
                         "--fp32-grads")
+    p.add_argument("--initial-loss-scale", type=_positive_float, default=None, metavar="S",
+                   help="with --fp16-weights or --autocast fp16: the dynamic loss scale's start (default 65536, "
+                        "GradScaler's; Megatron's --initial-loss-scale); a step whose gradients overflow is skipped "
+                        "and the scale halved, which the step's line says")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

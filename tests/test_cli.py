@@ -805,6 +805,17 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     assert len(runs[0]) == 3 and runs[0] == runs[1] and runs[0][2] < runs[0][0]
     assert main(["train", "--model", "llama", "--fp16-weights", "--bf16-weights"]) == EXIT_ERROR
     assert "give --bf16-weights or --fp16-weights, not both" in capsys.readouterr().err
+    # a first scale that overflows: the step is skipped on every rank, said, and the scale halved
+    assert main(["train", "--model", "llama", "--steps", "2", "--optimizer", "adamw", "--fp16-weights",
+                 "--initial-loss-scale", "262144", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines[0].endswith("(skipped: an inf or nan gradient; loss scale now 131072)")
+    assert "skipped" not in lines[1] and lines[0].split()[3] == lines[1].split()[3] == f"{runs[0][0]:.5f}"
+    assert main(["train", "--model", "llama", "--initial-loss-scale", "1024"]) == EXIT_ERROR
+    assert "only fp16 scales its loss" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--fp16-weights", "--initial-loss-scale", "1024", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out.rstrip()
+    assert "--initial-loss-scale 1024.0" in line and line.endswith("--fp16-weights")
     assert main(["train", "--model", "llama", "--fp32-grads", "--torchrun"]) == EXIT_ERROR
     assert "--fp32-grads: it accumulates the gradients of bf16 weights in fp32" in capsys.readouterr().err
     # a vision model's pixels are cast with its weights
@@ -1181,7 +1192,7 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights", "--fp32-grads"],
-                                   ["--fp16-weights"]])
+                                   ["--fp16-weights", "--initial-loss-scale", "262144"]])
 def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys, extra):
     # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
     # (then beside the next step, and from fp32 copies of bf16 weights: stop 44's first torchrun
@@ -1189,9 +1200,13 @@ def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, 
     words = ["train", "--model", "gemma", "--nprocs", "2", "--data-parallel", "2", "--schedule", "1f1b",
              "--microbatches", "2", "--steps", "5", "--optimizer", "adamw", "--lr", "0.01", "--shard-optimizer",
              "--quiet", *extra]
+    # (and fp16 weights from a loss scale whose first step overflows: skipped on both paths)
     assert main(words) == EXIT_OK
-    local = [line.split()[3] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    local_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     proc = _torchrun(words, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(local) == 5 and local == ranks and len(set(local)) == 5, (local, ranks)
+    rank_lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    local, ranks = [line.split()[3] for line in local_lines], [line.split()[3] for line in rank_lines]
+    skipped = ["skipped" in line for line in local_lines]
+    assert skipped == ["skipped" in line for line in rank_lines] == [bool(extra) and extra[-1] == "262144"] + [False] * 4
+    assert len(local) == 5 and local == ranks and len(set(local)) == 5 - sum(skipped), (local, ranks)
