@@ -389,6 +389,8 @@ class Engine:
         if master_weights and init is not None and is_checkpoint(init):
             state = checkpoint_state(init, torch.device("cpu"), rank)
             for name, param in self._params.items():
+                if shard_optimizer and self.shard_owners[name] != self.replicas.replica or not param.requires_grad:
+                    continue  # (another replica's copy, or none)
                 saved = saved_master(state, name) if state is not None else None
                 if saved is not None and param.dtype in HALF_DTYPES and saved.shape == param.shape:
                     self._init_masters[name] = saved.detach().to(self.device, torch.float32)
@@ -601,6 +603,7 @@ class Engine:
                     if start is None or not torch.equal(start.to(param.dtype), param.detach()):
                         start = param.detach().float()  # (no saved copy, or the weight has changed since)
                     self._masters[name] = nn.Parameter(start.clone())
+            self._init_masters.clear()  # (only the first copies start from the checkpoint's)
         return [self._masters.get(name, self._params[name]) for name in names]
 
     def master_parameters(self) -> dict[str, nn.Parameter]:
