@@ -127,6 +127,10 @@ def _sharded(rank, world_size, folder):
     engine.clip_grad_norm_(1.0)
     engine.optimizer_step()
     resumed = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    # init=checkpoint, sharded: this replica's copies start from the file's fp32 ones, no others
+    started = _pipe(name="gemma", cluster="cpux4", data_parallel=2, shard_optimizer=True).engine(
+        rank, timeout_s=60, init=f"{folder}/sharded.pt", optimizer=_adamw)
+    runs["init"] = {n: p.detach().clone() for n, p in started.master_parameters().items()}
     return runs, resumed
 
 
@@ -145,6 +149,10 @@ def test_sharded_master_weights_hold_their_share_and_checkpoint_the_fp32_copies(
     # the file holds every weight's fp32 copy beside its optimizer state; a plain fp32 model
     # loads the copies, a bf16 one the weights
     state = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    for rank, (runs, _) in enumerate(per_rank):
+        assert sorted(runs["init"]) == runs[True]["masters"], rank
+        for name, value in runs["init"].items():
+            assert torch.equal(value, state["optimizer"]["state"][name][MASTER_KEY]), (rank, name)
     names = set(per_rank[0][0][False]["trains"]) | set(per_rank[2][0][False]["trains"])
     assert {n for n, entry in state["optimizer"]["state"].items() if MASTER_KEY in entry} == names
     for name in names:
