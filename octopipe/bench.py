@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -141,14 +141,14 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
-                  update_in_warmup: bool = True, init: Any = None, loss_scale: float | None = None
+                  update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     from octopipe.runtime.amp import LossScaler
 
     torch.manual_seed(0)
-    engines = [pipe.engine(rank, init=init, **({"loss_scaler": LossScaler(loss_scale)} if loss_scale else {}))
+    engines = [pipe.engine(rank, init=init, **({"loss_scaler": LossScaler(**loss_scaler)} if loss_scaler else {}))
                for pipe in pipes]
     optimizers = [attached_optimizer(e, optimizer, learning_rate) if learning_rate else None for e in engines]
     times: list[list[float]] = [[] for _ in pipes]
@@ -222,7 +222,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
-                  loss_scale: float | None = None) -> StepTiming:
+                  loss_scaler: Mapping[str, Any] | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -231,9 +231,9 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     (buffers, dropout streams and loss scale are restored after them), so the model takes exactly
     `steps` updates and the steps draw what they would without the warm-up. `init`: every engine's
     (`Engine(init=...)`: a checkpoint's weights, and with master weights its fp32 copies).
-    `loss_scale`: fp16 loss scaling's initial scale (`LossScaler(init_scale)`; default 2**16)."""
+    `loss_scaler`: fp16 loss scaling's options (`LossScaler(**loss_scaler)`; default its own)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
-                    clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scale=loss_scale)[0][0]
+                    clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -279,7 +279,8 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
-             loss_scale: float | None = None) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
+             loss_scaler: Mapping[str, Any] | None = None
+             ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
     None without `link` or with one process)."""
@@ -291,7 +292,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup, init, loss_scale),
+                                                        link, update_in_warmup, init, loss_scaler),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -816,9 +816,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
     _need_sharded_state(args, "train", "--data-parallel D")
-    if args.initial_loss_scale and not (args.fp16_weights or args.autocast == "fp16"):
-        raise OctopipeError(f"train --initial-loss-scale {args.initial_loss_scale:g}: only fp16 scales its loss; give "
-                            "--fp16-weights or --autocast fp16 too")
+    given = [flag for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None]
+    if given and not (args.fp16_weights or args.autocast == "fp16"):
+        raise OctopipeError(f"train {given[0]}: only fp16 scales its loss; give --fp16-weights or --autocast fp16 too")
+    if args.loss_scale is not None and args.initial_loss_scale is not None:
+        raise OctopipeError("train: give --loss-scale S (a static scale) or --initial-loss-scale S (a dynamic "
+                            "one's start), not both")
+    if given:
+        from octopipe.runtime.amp import LossScaler
+
+        try:
+            LossScaler(**_loss_scaling(args))  # type: ignore[arg-type]
+        except OctopipeError as exc:
+            raise OctopipeError(f"train {' '.join(given)}: {exc}") from None
     if args.nprocs % args.data_parallel:
         raise OctopipeError(f"train --nprocs {args.nprocs}: not a multiple of --data-parallel {args.data_parallel} "
                             "(it counts every rank of every replica)")
@@ -887,7 +897,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # with master weights the engines also start their fp32 copies from the checkpoint's
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
-                           init=args.init if pipe.master_weights else None, loss_scale=args.initial_loss_scale)
+                           init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args))
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else ""))
@@ -900,11 +910,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+LOSS_SCALING = (("--initial-loss-scale", "initial_loss_scale", "init_scale"), ("--loss-scale", "loss_scale", "init_scale"),
+                ("--min-loss-scale", "min_loss_scale", "min_scale"),
+                ("--loss-scale-window", "loss_scale_window", "growth_interval"), ("--hysteresis", "hysteresis", "hysteresis"))
+"""`train`'s fp16 loss-scaling flags (Megatron's names): (flag, argparse name, `LossScaler` option)."""
+
+
+def _loss_scaling(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`train`'s loss-scaling flags as `LossScaler` options (`--loss-scale`: static), or None
+    where none is given (the engines' default scaler)."""
+    options = {option: getattr(args, name) for _, name, option in LOSS_SCALING if getattr(args, name) is not None}
+    if args.loss_scale is not None:
+        options["dynamic"] = False
+    return options or None
+
+
 def _loss_scaler(args: argparse.Namespace) -> dict[str, Any]:
-    """`train --initial-loss-scale`: the engines' `loss_scaler` option, or none (the default scale)."""
+    """The engines' `loss_scaler` option from `train`'s loss-scaling flags, or none."""
     from octopipe.runtime.amp import LossScaler
 
-    return {"loss_scaler": LossScaler(args.initial_loss_scale)} if args.initial_loss_scale else {}
+    options = _loss_scaling(args)
+    return {"loss_scaler": LossScaler(**options)} if options else {}
 
 
 def _skipped_note(scale: float | None) -> str:
@@ -1199,7 +1225,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
     words += ["--autocast", args.autocast] if args.autocast else []
-    words += ["--initial-loss-scale", str(args.initial_loss_scale)] if args.initial_loss_scale else []
+    words += [word for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None
+              for word in (flag, str(getattr(args, name)))]
     # the replica count travels whenever it is not 1 or a plan file's own count would replace it
     words += ["--data-parallel", str(args.data_parallel)] if args.data_parallel > 1 or args.plan else []
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
@@ -1489,6 +1516,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --fp16-weights or --autocast fp16: the dynamic loss scale's start (default 65536, "
                         "GradScaler's; Megatron's --initial-loss-scale); a step whose gradients overflow is skipped "
                         "and the scale halved, which the step's line says")
+    p.add_argument("--loss-scale", type=_positive_float, default=None, metavar="S",
+                   help="with fp16: a static loss scale (Megatron's --loss-scale): it never changes, and a step whose "
+                        "gradients overflow is still skipped")
+    p.add_argument("--min-loss-scale", type=_positive_float, default=None, metavar="S",
+                   help="with fp16: the dynamic scale never backs off below S (Megatron's --min-loss-scale; default "
+                        "none, as GradScaler)")
+    p.add_argument("--loss-scale-window", type=_positive_int, default=None, metavar="N",
+                   help="with fp16: good steps in a row before the dynamic scale doubles (Megatron's "
+                        "--loss-scale-window; default 2000, GradScaler's growth_interval)")
+    p.add_argument("--hysteresis", type=_positive_int, default=None, metavar="H",
+                   help="with fp16: bad steps since the scale last grew before it backs off (Megatron's "
+                        "--hysteresis; default 1, GradScaler's: every bad step); each bad step is skipped")
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")

@@ -811,11 +811,29 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert lines[0].endswith("(skipped: an inf or nan gradient; loss scale now 131072)")
     assert "skipped" not in lines[1] and lines[0].split()[3] == lines[1].split()[3] == f"{runs[0][0]:.5f}"
+    # Megatron's options: a static scale skips every overflowing step and keeps its value;
+    # hysteresis 2 backs off only at the second bad step
+    for extra, notes in ((["--loss-scale", "262144"], ["262144", "262144", "262144"]),
+                         (["--initial-loss-scale", "262144", "--hysteresis", "2"], ["262144", "131072", None])):
+        assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--fp16-weights",
+                     "--schedule", "1f1b", "--quiet", *extra]) == EXIT_OK
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+        assert [line.split("loss scale now ")[1].rstrip(")") if "skipped" in line else None for line in lines] == notes
     assert main(["train", "--model", "llama", "--initial-loss-scale", "1024"]) == EXIT_ERROR
     assert "only fp16 scales its loss" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--fp16-weights", "--loss-scale", "8", "--initial-loss-scale",
+                 "8"]) == EXIT_ERROR
+    assert "not both" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--fp16-weights", "--initial-loss-scale", "8", "--min-loss-scale",
+                 "16"]) == EXIT_ERROR
+    assert "0 <= min_scale <= init_scale" in capsys.readouterr().err
     assert main(["train", "--model", "llama", "--fp16-weights", "--initial-loss-scale", "1024", "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out.rstrip()
     assert "--initial-loss-scale 1024.0" in line and line.endswith("--fp16-weights")
+    assert main(["train", "--model", "llama", "--autocast", "fp16", "--loss-scale", "512", "--min-loss-scale", "2",
+                 "--loss-scale-window", "100", "--hysteresis", "2", "--torchrun"]) == EXIT_OK
+    assert ("--loss-scale 512.0 --min-loss-scale 2.0 --loss-scale-window 100 --hysteresis 2"
+            in capsys.readouterr().out)
     assert main(["train", "--model", "llama", "--fp32-grads", "--torchrun"]) == EXIT_ERROR
     assert "--fp32-grads: it accumulates the gradients of bf16 weights in fp32" in capsys.readouterr().err
     # a vision model's pixels are cast with its weights

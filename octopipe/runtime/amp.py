@@ -48,39 +48,64 @@ def autocast_dtype(value: Any, where: str) -> torch.dtype | None:
 
 
 class LossScaler:
-    """Dynamic loss scaling for float16 autocast, `torch.amp.GradScaler`'s rule and defaults: start
-    at `init_scale`; a step with an inf or nan gradient anywhere multiplies the scale by
-    `backoff_factor`; `growth_interval` good steps in a row multiply it by `growth_factor`."""
+    """Dynamic loss scaling for float16 (autocast, or fp16 weights with master copies),
+    `torch.amp.GradScaler`'s rule and defaults: start at `init_scale`; a step with an inf or nan
+    gradient anywhere multiplies the scale by `backoff_factor`; `growth_interval` good steps in a
+    row multiply it by `growth_factor`. Megatron's `--fp16` options on top: `hysteresis` (its
+    `--hysteresis`; 1, GradScaler's, backs off on every bad step): back off only once that many
+    bad steps have come since the scale last grew (or started); `min_scale` (its
+    `--min-loss-scale`): never back off below it; `dynamic=False` (its `--loss-scale S`): the
+    scale stays `init_scale`, and a bad step is still skipped."""
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+                 growth_interval: int = 2000, *, hysteresis: int = 1, min_scale: float = 0.0,
+                 dynamic: bool = True) -> None:
         if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
             raise ArgumentError(f"LossScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                                 f"growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor}, "
                                 f"{growth_interval}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1 \
+                or not 0 <= min_scale <= init_scale or not isinstance(dynamic, bool):
+            raise ArgumentError(f"LossScaler: needs an integer hysteresis >= 1, 0 <= min_scale <= init_scale and a "
+                                f"bool dynamic, got {hysteresis!r}, {min_scale!r} (init_scale {init_scale}), "
+                                f"{dynamic!r}")
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.dynamic = dynamic
         self.good_steps = 0
+        self.hysteresis_left = hysteresis
+        """Bad steps still allowed before the next backoff (Megatron's hysteresis tracker)."""
 
     def update(self, found_inf: bool) -> None:
         """After a step: back off on an inf/nan gradient, grow after enough good steps."""
+        if not self.dynamic:
+            return
         if found_inf:
-            self.scale *= self.backoff_factor
             self.good_steps = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             return
         self.good_steps += 1
         if self.good_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.good_steps = 0
+            self.hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        state = {"scale": self.scale, "good_steps": self.good_steps}
+        if self.hysteresis > 1:
+            state["hysteresis_left"] = self.hysteresis_left
+        return state
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
+        self.hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
 
 
 def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -279,3 +279,34 @@ def test_loss_scaler_grows_backs_off_and_is_only_for_fp16():
     restored = half.engine(0)
     restored.load_state_dict(state)
     assert (restored.loss_scaler.scale, restored.loss_scaler.good_steps) == (2.0**9, 1)
+
+
+def test_loss_scaler_megatron_options_hysteresis_min_scale_and_static():
+    from octopipe.runtime.amp import LossScaler
+
+    # hysteresis 2 (Megatron's default): the first bad step since the scale last grew is skipped
+    # without a backoff, the second backs off; a growth restores the allowance
+    scaler = LossScaler(init_scale=64.0, growth_interval=2, hysteresis=2, min_scale=16.0)
+    scaler.update(True)
+    assert scaler.scale == 64.0 and scaler.hysteresis_left == 1
+    scaler.update(False)
+    scaler.update(True)
+    assert scaler.scale == 32.0 and scaler.good_steps == 0
+    scaler.update(True)
+    scaler.update(True)
+    assert scaler.scale == 16.0  # the floor, not 8
+    assert scaler.state_dict() == {"scale": 16.0, "good_steps": 0, "hysteresis_left": -2}
+    scaler.update(False)
+    scaler.update(False)
+    assert scaler.scale == 32.0 and scaler.hysteresis_left == 2
+    restored = LossScaler(hysteresis=2)
+    restored.load_state_dict({"scale": 8.0, "good_steps": 1})  # a checkpoint without the tracker
+    assert (restored.scale, restored.good_steps, restored.hysteresis_left) == (8.0, 1, 2)
+    static = LossScaler(init_scale=128.0, growth_interval=1, dynamic=False)
+    for bad in (True, False, False, True):
+        static.update(bad)
+    assert static.scale == 128.0
+    assert LossScaler().state_dict() == {"scale": 2.0**16, "good_steps": 0}  # GradScaler's, as before
+    for options in ({"hysteresis": 0}, {"min_scale": 2.0**20}, {"dynamic": 1}):
+        with pytest.raises(ArgumentError, match="hysteresis >= 1, 0 <= min_scale <= init_scale"):
+            LossScaler(**options)
