@@ -18,6 +18,11 @@ gradients (`.grad = None`: an optimizer then steps nothing, as GradScaler skips 
 step is marked skipped (`Engine.skipped_step`) and the scale halves; after `growth_interval` good
 steps in a row it doubles. So `.grad` after `step` holds true gradients, ready for clipping and any
 optimizer. A recomputing stage runs its second forward under the same autocast.
+
+fp16 weights with fp32 master copies (`compile(model.half(), ..., master_weights=True,
+fp32_grads=True)`, Megatron's `--fp16`) use the same `LossScaler` without autocast: the loss is
+scaled the same way, and the fp32 gradients (`Engine.main_grads()`) are unscaled and checked.
+`LossScaler`'s `hysteresis`, `min_scale` and `dynamic=False` are Megatron's fp16 options.
 """
 
 from __future__ import annotations
