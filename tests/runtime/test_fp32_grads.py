@@ -87,14 +87,20 @@ def _reference():
         losses.append(total)
         if step == 0:
             first = {n: g.clone() for n, g in main.items()}
-        for name in masters:
-            masters[name].grad = main[name]
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(masters[name])
+        _step_copies(model, masters, optimizer, main)
     return losses, first, dict(model.named_parameters()), masters
+
+
+def _step_copies(model, masters, optimizer, main):
+    """The optimizer steps the fp32 copies on the fp32 gradients `main`; the weights are rounded
+    from them."""
+    for name in masters:
+        masters[name].grad = main[name]
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(masters[name])
 
 
 @pytest.mark.timeout(300)
@@ -261,13 +267,7 @@ def _fp16_reference(init_scale):
         skipped.append(bad)
         scale = scale * 0.5 if bad else scale
         if not bad:
-            for name in masters:
-                masters[name].grad = main[name]
-            optimizer.step()
-            optimizer.zero_grad()
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(masters[name])
+            _step_copies(model, masters, optimizer, main)
     return losses, skipped, dict(model.named_parameters()), masters
 
 
