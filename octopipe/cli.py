@@ -598,11 +598,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.shard_optimizer and replicas == "auto":  # each count's replicas hold their share
         options["memory"] = lambda count: _memory_model(args.optimizer, count, graph, costs,
                                                         args.price_optimizer_step, args.overlap_param_gather,
-                                                        args.bf16_weights, args.fp32_grads)
+                                                        _master_weights(args), args.fp32_grads)
     else:
         shards = cluster.data_parallel if args.shard_optimizer else args.optimizer_shards
         options["memory"] = _memory_model(args.optimizer, shards, graph, costs, args.price_optimizer_step,
-                                          args.overlap_param_gather, args.bf16_weights, args.fp32_grads)
+                                          args.overlap_param_gather, _master_weights(args), args.fp32_grads)
     if replicas == "auto":
         chosen = plan_data_parallel(costs, cluster, args.microbatches, **options)
         print(chosen)
@@ -1426,6 +1426,10 @@ def _parser() -> argparse.ArgumentParser:
                         "--fp32-grads runs them (Megatron's --accumulate-allreduce-grads-in-fp32): 4 bytes a weight "
                         "in memory (mixed-adam 18 bytes a weight, not 16) and twice the bytes in every gradient "
                         "reduction")
+    p.add_argument("--fp16-weights", action="store_true",
+                   help="the job trains fp16 weights with fp32 copies and fp32 gradients (train --fp16-weights, "
+                        "Megatron's --fp16): the memory of --bf16-weights --fp32-grads (a --model is cast to fp16 "
+                        "first)")
     p.add_argument("--price-optimizer-step", action="store_true",
                    help="price each device's optimizer step: its state's traffic (--optimizer's; 28 bytes a weight "
                         "for Adam, 1/D of it sharded) at the cluster's memory bandwidth, after its last gradient "

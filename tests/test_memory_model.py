@@ -163,7 +163,7 @@ def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path,
     # gradients (train --fp32-grads) 6 (2 + 4) and the same split (12, 6 per counted byte), the
     # reductions summing 2 bytes per counted byte
     for flags, state, grad in (([], 6.0, 1.0), (["--bf16-weights"], 5.0, 1.0),
-                               (["--bf16-weights", "--fp32-grads"], 6.0, 2.0)):
+                               (["--bf16-weights", "--fp32-grads"], 6.0, 2.0), (["--fp16-weights"], 6.0, 2.0)):
         assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux4", "--microbatches", "4",
                      "--data-parallel", "2", "--shard-optimizer", "--optimizer", "adamw", "--quiet", "--time-limit",
                      "5", "--no-solver", "-o", str(path), *flags]) == EXIT_OK
