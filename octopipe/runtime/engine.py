@@ -344,7 +344,10 @@ class Engine:
                                      f"stages {sorted(self.stages)}")
         first = next((p for s in stages for p in s.module.parameters()), None)
         self.device = _engine_device(device, first, rank)
-        materialize(stages, self.device, init, rank)
+        # with master_weights a checkpoint is read once, for the weights here and the copies below
+        loaded = (checkpoint_state(init, torch.device("cpu"), rank)
+                  if master_weights and init is not None and is_checkpoint(init) else None)
+        materialize(stages, self.device, init if loaded is None else loaded, rank)
         self._random = {index: _stage_stream(index, self.device) for index in self.stages}
         """Per stage: its own random state (CPU, and the GPU's on a GPU), from torch.initial_seed()
         and the stage index, that its forwards draw from (dropout). One process-wide stream,
@@ -386,12 +389,11 @@ class Engine:
         self._init_masters: dict[str, Tensor] = {}
         """With `master_weights` and a checkpoint `init` that holds fp32 copies (`MASTER_KEY`):
         their values, which the copies start from instead of the weights' bf16 rounding."""
-        if master_weights and init is not None and is_checkpoint(init):
-            state = checkpoint_state(init, torch.device("cpu"), rank)
+        if loaded is not None:
             for name, param in self._params.items():
                 if shard_optimizer and self.shard_owners[name] != self.replicas.replica or not param.requires_grad:
                     continue  # (another replica's copy, or none)
-                saved = saved_master(state, name) if state is not None else None
+                saved = saved_master(loaded, name)
                 if saved is not None and param.dtype in HALF_DTYPES and saved.shape == param.shape:
                     self._init_masters[name] = saved.detach().to(self.device, torch.float32)
         self.fp32_grads = fp32_grads
