@@ -127,13 +127,14 @@ def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -
     return torch.optim.SGD(params, lr=learning_rate) if name == "sgd" else torch.optim.AdamW(params, lr=learning_rate)
 
 
-def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
+def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: bool = False) -> Any:
     """`training_optimizer` for an engine's parameters; with `shard_optimizer`, attached to the
     engine over its share (every copy of the rank must then step it: the step ends in a
     broadcast among them); with `master_weights`, attached over the fp32 copies (its hooks set
-    their gradients and round the weights from them). None for a rank without parameters,
-    unless sharded or with master weights."""
-    if engine.shard_optimizer or engine.master_weights:
+    their gradients and round the weights from them); with `attach`, attached in any case (so
+    that the engine's checkpoints hold its state). None for a rank without parameters, unless
+    attached."""
+    if engine.shard_optimizer or engine.master_weights or attach:
         return engine.attach_optimizer(lambda params: training_optimizer(name, params, learning_rate))
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
 
@@ -141,7 +142,8 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float) -> Any:
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
-                  update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None
+                  update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
+                  resume: str | None = None, save: str | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -150,7 +152,11 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     torch.manual_seed(0)
     engines = [pipe.engine(rank, init=init, **({"loss_scaler": LossScaler(**loss_scaler)} if loss_scaler else {}))
                for pipe in pipes]
-    optimizers = [attached_optimizer(e, optimizer, learning_rate) if learning_rate else None for e in engines]
+    optimizers = [attached_optimizer(e, optimizer, learning_rate, attach=bool(resume or save)) if learning_rate
+                  else None for e in engines]
+    if resume:  # the whole state: weights, optimizer, fp32 copies, loss scale, dropout streams
+        for engine in engines:
+            engine.load_checkpoint(resume)
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     scales: list[list[float | None]] = [[] for _ in pipes]
@@ -215,6 +221,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
+    if save:
+        engines[0].save_checkpoint(save)  # (collective: gathered to rank 0, which writes it)
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
             for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
 
@@ -222,7 +230,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
-                  loss_scaler: Mapping[str, Any] | None = None) -> StepTiming:
+                  loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
+                  save: str | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -231,9 +240,13 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     (buffers, dropout streams and loss scale are restored after them), so the model takes exactly
     `steps` updates and the steps draw what they would without the warm-up. `init`: every engine's
     (`Engine(init=...)`: a checkpoint's weights, and with master weights its fp32 copies).
-    `loss_scaler`: fp16 loss scaling's options (`LossScaler(**loss_scaler)`; default its own)."""
+    `loss_scaler`: fp16 loss scaling's options (`LossScaler(**loss_scaler)`; default its own).
+    `resume`: a checkpoint `save` wrote (`Engine.load_checkpoint`: the whole state, the
+    optimizer's too), loaded before the first step; `save`: where to write the engines'
+    checkpoint after the last (`Engine.save_checkpoint`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
-                    clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler)[0][0]
+                    clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
+                    resume=resume, save=save)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -279,7 +292,7 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
-             loss_scaler: Mapping[str, Any] | None = None
+             loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -292,7 +305,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup, init, loss_scaler),
+                                                        link, update_in_warmup, init, loss_scaler, resume, save),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

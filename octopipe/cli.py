@@ -816,6 +816,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
     _need_sharded_state(args, "train", "--data-parallel D")
+    if args.resume and args.init:
+        raise OctopipeError("train: give --init CHECKPOINT (its weights) or --resume CHECKPOINT (the whole state, "
+                            "the optimizer's too), not both")
+    if args.resume and not args.torchrun and not os.path.isfile(args.resume):  # (printed: the cluster's path)
+        raise OctopipeError(f"train --resume {args.resume}: no such file; give a checkpoint train --save wrote (or "
+                            "Engine.save_checkpoint)")
     given = [flag for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None]
     if given and not (args.fp16_weights or args.autocast == "fp16"):
         raise OctopipeError(f"train {given[0]}: only fp16 scales its loss; give --fp16-weights or --autocast fp16 too")
@@ -897,10 +903,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # with master weights the engines also start their fp32 copies from the checkpoint's
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
-                           init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args))
+                           init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
+                           resume=args.resume, save=args.save)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else ""))
+    if args.save:
+        print(f"saved the checkpoint to {args.save} (train --resume {args.save} continues from it)")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
@@ -1136,7 +1145,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
                             master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
-    init: Any = args.init
+    init: Any = args.init or args.resume  # (--resume: the weights from it here, the rest after the optimizer)
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
         init = models.init_module
@@ -1147,7 +1156,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     engine = pipe.engine(rank, device=device, init=init, **_loss_scaler(args))
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
-    optimizer = attached_optimizer(engine, args.optimizer, args.lr)
+    optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save))
+    if args.resume:
+        engine.load_checkpoint(args.resume)
     if first is not None:
         print(first.dump("plan"), flush=True)
     step_ms = []
@@ -1168,6 +1179,10 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
+    if args.save:
+        engine.save_checkpoint(args.save)  # (collective: gathered to rank 0, which writes it)
+        if rank == 0:
+            print(f"saved the checkpoint to {args.save} (train --resume {args.save} continues from it)", flush=True)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 
@@ -1218,6 +1233,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += [word for item in args.set or () for word in ("--set", item)]
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
+                        ("--resume", args.resume), ("--save", args.save),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
             words += [flag, str(value)]
@@ -1535,6 +1551,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=_positive_int, default=1, metavar="K",
                    help="measure the planner's plan and up to K-1 runners-up (other shapes predicted within 10%%) "
                         "for a few steps each, and train with the fastest")
+    p.add_argument("--save", metavar="CHECKPOINT", default=None,
+                   help="after the last step, write the engines' checkpoint there (Megatron's --save): the weights by "
+                        "the model's names, the optimizer's state, fp32 copies, loss scale and dropout streams, "
+                        "gathered to rank 0")
+    p.add_argument("--resume", metavar="CHECKPOINT", default=None,
+                   help="continue from a checkpoint --save wrote (Megatron's --load): the whole state, the "
+                        "optimizer's too, on any plan, rank or replica count; --init takes only its weights")
     p.add_argument("--init", metavar="CHECKPOINT", default=None,
                    help="start from this checkpoint (a state dict by the model's names); under torchrun a model "
                         "built on the meta device (--size paper) is created from it on each rank (default there: "

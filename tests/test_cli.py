@@ -1228,3 +1228,36 @@ def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, 
     skipped = ["skipped" in line for line in local_lines]
     assert skipped == ["skipped" in line for line in rank_lines] == [bool(extra) and extra[-1] == "262144"] + [False] * 4
     assert len(local) == 5 and local == ranks and len(set(local)) == 5 - sum(skipped), (local, ranks)
+
+
+@pytest.mark.timeout(300)
+def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(tmp_path, capsys):
+    # Megatron's --save / --load: 2 steps, saved, then 2 more resumed from the file, print the last
+    # two of 4 steps in one run (AdamW: the moments come back too); resumed on another plan (ZB-V,
+    # 2 sharded replicas) as well; and from a file the torchrun path saved
+    words = ["train", "--model", "llama", "--optimizer", "adamw", "--lr", "0.01", "--schedule", "1f1b", "--quiet"]
+
+    def losses(*extra):
+        assert main([*words, *extra]) == EXIT_OK
+        out = capsys.readouterr().out
+        return [line.split()[3] for line in out.splitlines() if line.startswith("step ")], out
+
+    whole, _ = losses("--steps", "4")
+    first, out = losses("--steps", "2", "--save", str(tmp_path / "a.pt"))
+    assert first == whole[:2] and f"saved the checkpoint to {tmp_path / 'a.pt'}" in out
+    assert losses("--steps", "2", "--resume", str(tmp_path / "a.pt"))[0] == whole[2:]
+    assert losses("--steps", "2", "--resume", str(tmp_path / "a.pt"), "--schedule", "zb-v", "--data-parallel", "2",
+                  "--shard-optimizer")[0] == whole[2:]
+    # without the optimizer's state (--init: the weights only) the third step differs
+    assert losses("--steps", "2", "--init", str(tmp_path / "a.pt"))[0][1] != whole[3]
+    proc = _torchrun(["train", "--model", "llama", "--nprocs", "2", "--optimizer", "adamw", "--lr", "0.01",
+                      "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b.pt")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == whole[:2]
+    assert losses("--steps", "2", "--resume", str(tmp_path / "b.pt"))[0] == whole[2:]
+    assert main([*words, "--init", str(tmp_path / "a.pt"), "--resume", str(tmp_path / "a.pt")]) == EXIT_ERROR
+    assert "not both" in capsys.readouterr().err
+    assert main([*words, "--resume", str(tmp_path / "none.pt")]) == EXIT_ERROR
+    assert "no such file" in capsys.readouterr().err
+    assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--torchrun"]) == EXIT_OK
+    assert "--resume a.pt --save b.pt" in capsys.readouterr().out
