@@ -139,11 +139,17 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: boo
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
 
 
+def save_path(save: str, steps_done: int) -> str:
+    """Where `train --save` writes after `steps_done` steps: `save` with `{step}` replaced by that
+    count (a file per save), or `save` itself."""
+    return save.replace("{step}", str(steps_done))
+
+
 def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tuple, target: Any, steps: int,
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
-                  resume: str | None = None, save: str | None = None
+                  resume: str | None = None, save: str | None = None, save_every: int | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -195,6 +201,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
             after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
+            if save and save_every and step >= warmup and (step - warmup + 1) % save_every == 0 \
+                    and step + 1 < warmup + steps:
+                engine.save_checkpoint(save_path(save, step - warmup + 1))  # (outside the timed span)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -222,7 +231,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
     if save:
-        engines[0].save_checkpoint(save)  # (collective: gathered to rank 0, which writes it)
+        engines[0].save_checkpoint(save_path(save, steps))  # (collective: gathered to rank 0, which writes it)
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
             for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
 
@@ -231,7 +240,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
-                  save: str | None = None) -> StepTiming:
+                  save: str | None = None, save_every: int | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -243,10 +252,12 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     `loss_scaler`: fp16 loss scaling's options (`LossScaler(**loss_scaler)`; default its own).
     `resume`: a checkpoint `save` wrote (`Engine.load_checkpoint`: the whole state, the
     optimizer's too), loaded before the first step; `save`: where to write the engines'
-    checkpoint after the last (`Engine.save_checkpoint`)."""
+    checkpoint after the last (`Engine.save_checkpoint`), and with `save_every` = N after every
+    N-th timed step too (each write replaces the file, atomically; a `{step}` in `save` is
+    replaced by the steps done, for a file per save: `save_path`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
-                    resume=resume, save=save)[0][0]
+                    resume=resume, save=save, save_every=save_every)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -292,8 +303,8 @@ def measure_with_profiles(pipes: Sequence[Any], probe: RuntimeProbe, inputs: Seq
 def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any], target: Any, steps: int,
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
-             loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None
-             ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
+             loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
+             save_every: int | None = None) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
     None without `link` or with one process)."""
@@ -305,7 +316,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup, init, loss_scaler, resume, save),
+                                                        link, update_in_warmup, init, loss_scaler, resume, save,
+                                                        save_every),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

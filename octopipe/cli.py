@@ -808,7 +808,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     import octopipe
-    from octopipe.bench import measure_steps
+    from octopipe.bench import measure_steps, save_path
     from octopipe.errors import ExecutionError, OctopipeError
 
     if args.clip_grad is not None and not args.clip_grad > 0:
@@ -816,6 +816,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
     _need_sharded_state(args, "train", "--data-parallel D")
+    if args.save_interval and not args.save:
+        raise OctopipeError(f"train --save-interval {args.save_interval}: give --save PATH too (where to write)")
     if args.resume and args.init:
         raise OctopipeError("train: give --init CHECKPOINT (its weights) or --resume CHECKPOINT (the whole state, "
                             "the optimizer's too), not both")
@@ -904,12 +906,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
-                           resume=args.resume, save=args.save)
+                           resume=args.resume, save=args.save, save_every=args.save_interval)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
-        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else ""))
+        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
+              + (_saved_note(args, step) if _saves_at(args, step) else ""))
     if args.save:
-        print(f"saved the checkpoint to {args.save} (train --resume {args.save} continues from it)")
+        print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
+              f"{save_path(args.save, args.steps)} continues from it)")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
@@ -940,6 +944,20 @@ def _loss_scaler(args: argparse.Namespace) -> dict[str, Any]:
 
     options = _loss_scaling(args)
     return {"loss_scaler": LossScaler(**options)} if options else {}
+
+
+def _saves_at(args: argparse.Namespace, step: int) -> bool:
+    """Whether `train --save` writes the checkpoint after step `step` (0-based): every
+    `--save-interval`-th step, and the last."""
+    if not args.save:
+        return False
+    return step + 1 == args.steps or bool(args.save_interval) and (step + 1) % args.save_interval == 0
+
+
+def _saved_note(args: argparse.Namespace, step: int) -> str:
+    from octopipe.bench import save_path
+
+    return f"  (saved to {save_path(args.save, step + 1)})"
 
 
 def _skipped_note(scale: float | None) -> str:
@@ -1092,7 +1110,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
 
     import octopipe
     from octopipe import models
-    from octopipe.bench import attached_optimizer
+    from octopipe.bench import attached_optimizer, save_path
     from octopipe.ir.plan import PipelinePlan
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -1174,15 +1192,18 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         if rank == 0:
             print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
                   + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
-                     if engine.skipped_step else ""), flush=True)
+                     if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
+        if _saves_at(args, step) and step + 1 < args.steps:
+            engine.save_checkpoint(save_path(args.save, step + 1))  # (collective; the last step's below)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
     if args.save:
-        engine.save_checkpoint(args.save)  # (collective: gathered to rank 0, which writes it)
+        engine.save_checkpoint(save_path(args.save, args.steps))  # (collective: gathered to rank 0, which writes it)
         if rank == 0:
-            print(f"saved the checkpoint to {args.save} (train --resume {args.save} continues from it)", flush=True)
+            print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
+                  f"{save_path(args.save, args.steps)} continues from it)", flush=True)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 
@@ -1233,7 +1254,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += [word for item in args.set or () for word in ("--set", item)]
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
-                        ("--resume", args.resume), ("--save", args.save),
+                        ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
             words += [flag, str(value)]
@@ -1555,6 +1576,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="after the last step, write the engines' checkpoint there (Megatron's --save): the weights by "
                         "the model's names, the optimizer's state, fp32 copies, loss scale and dropout streams, "
                         "gathered to rank 0")
+    p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
+                   help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
+                        "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "
+                        "steps done (a file per save)")
     p.add_argument("--resume", metavar="CHECKPOINT", default=None,
                    help="continue from a checkpoint --save wrote (Megatron's --load): the whole state, the "
                         "optimizer's too, on any plan, rank or replica count; --init takes only its weights")

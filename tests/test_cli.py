@@ -1250,14 +1250,23 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
                   "--shard-optimizer")[0] == whole[2:]
     # without the optimizer's state (--init: the weights only) the third step differs
     assert losses("--steps", "2", "--init", str(tmp_path / "a.pt"))[0][1] != whole[3]
+    # --save-interval with a {step} in the path: a file after every N-th step and the last
+    saved, out = losses("--steps", "3", "--save", str(tmp_path / "c-{step}.pt"), "--save-interval", "2")
+    assert saved == whole[:3] and sorted(p.name for p in tmp_path.glob("c-*.pt")) == ["c-2.pt", "c-3.pt"]
+    assert f"step 1: loss {whole[1]}" in out and f"(saved to {tmp_path / 'c-2.pt'})" in out
+    assert losses("--steps", "2", "--resume", str(tmp_path / "c-2.pt"))[0] == whole[2:]
     proc = _torchrun(["train", "--model", "llama", "--nprocs", "2", "--optimizer", "adamw", "--lr", "0.01",
-                      "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b.pt")], tmp_path)
+                      "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b-{step}.pt"),
+                      "--save-interval", "1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == whole[:2]
-    assert losses("--steps", "2", "--resume", str(tmp_path / "b.pt"))[0] == whole[2:]
+    assert sorted(p.name for p in tmp_path.glob("b-*.pt")) == ["b-1.pt", "b-2.pt"]
+    assert losses("--steps", "3", "--resume", str(tmp_path / "b-1.pt"))[0] == whole[1:]
     assert main([*words, "--init", str(tmp_path / "a.pt"), "--resume", str(tmp_path / "a.pt")]) == EXIT_ERROR
     assert "not both" in capsys.readouterr().err
     assert main([*words, "--resume", str(tmp_path / "none.pt")]) == EXIT_ERROR
     assert "no such file" in capsys.readouterr().err
-    assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--torchrun"]) == EXIT_OK
-    assert "--resume a.pt --save b.pt" in capsys.readouterr().out
+    assert main([*words, "--save-interval", "2"]) == EXIT_ERROR
+    assert "give --save PATH too" in capsys.readouterr().err
+    assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--save-interval", "5", "--torchrun"]) == EXIT_OK
+    assert "--resume a.pt --save b.pt --save-interval 5" in capsys.readouterr().out
