@@ -139,6 +139,12 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: boo
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
 
 
+def saves_after(done: int, steps: int, every: int | None) -> bool:
+    """Whether `train --save` writes the checkpoint after `done` of its `steps` steps: after the
+    last, and with `--save-interval` = `every` after every `every`-th."""
+    return done == steps or bool(every) and done % every == 0  # type: ignore[operator]
+
+
 def save_path(save: str, steps_done: int) -> str:
     """Where `train --save` writes after `steps_done` steps: `save` with `{step}` replaced by that
     count (a file per save), or `save` itself."""
@@ -156,7 +162,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     from octopipe.runtime.amp import LossScaler
 
     torch.manual_seed(0)
-    engines = [pipe.engine(rank, init=init, **({"loss_scaler": LossScaler(**loss_scaler)} if loss_scaler else {}))
+    engines = [pipe.engine(rank, init=init, loss_scaler=LossScaler(**loss_scaler) if loss_scaler else None)
                for pipe in pipes]
     optimizers = [attached_optimizer(e, optimizer, learning_rate, attach=bool(resume or save)) if learning_rate
                   else None for e in engines]
@@ -179,7 +185,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
         if update and optimizer is not None:
             optimizer.step()
-        _clear_grads(engine)
+        engine.zero_grad()  # (the weights', the master copies' and fp32_grads' gradients)
 
     # a warm-up without an update leaves no trace: the buffers it ran through (batch statistics),
     # the stages' dropout streams and the loss scale are put back as they were before it
@@ -201,9 +207,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
             after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
-            if save and save_every and step >= warmup and (step - warmup + 1) % save_every == 0 \
-                    and step + 1 < warmup + steps:
-                engine.save_checkpoint(save_path(save, step - warmup + 1))  # (outside the timed span)
+            if save and step >= warmup and saves_after(step - warmup + 1, steps, save_every):
+                engine.save_checkpoint(save_path(save, step - warmup + 1))  # (collective; outside the timed span)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -230,8 +235,6 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
-    if save:
-        engines[0].save_checkpoint(save_path(save, steps))  # (collective: gathered to rank 0, which writes it)
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
             for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
 
@@ -379,10 +382,6 @@ def _link(one_way: Sequence[float]) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) from the one-way times of the LINK_SIZES messages."""
     latency = max(one_way[0], 1e-6)
     return latency, LINK_SIZES[1] / max(one_way[1] - latency, 1e-9)
-
-
-def _clear_grads(engine: Any) -> None:
-    engine.zero_grad()  # (the weights', the master copies' and fp32_grads' gradients)
 
 
 def calibrate_cpu_cluster(num_devices: int, base: ClusterSpec | None = None) -> ClusterSpec:

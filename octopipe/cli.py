@@ -562,7 +562,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "--data-parallel to plan that replica, or give a spec of every device, without "
                             "data_parallel, with --data-parallel")
     replicas = 1 if args.data_parallel is None else args.data_parallel
-    _need_sharded_state(args, "plan", "--data-parallel D or auto")
+    _check_state_flags(args, "plan", "--data-parallel D or auto")
     if args.shard_optimizer and args.optimizer_shards > 1:
         raise OctopipeError(f"plan --shard-optimizer --optimizer-shards {args.optimizer_shards}: give one; "
                             "--shard-optimizer shards over the --data-parallel replicas, --optimizer-shards over a "
@@ -815,7 +815,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError(f"train --clip-grad {args.clip_grad}: the norm to clip to must be > 0")
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
-    _need_sharded_state(args, "train", "--data-parallel D")
+    _check_state_flags(args, "train", "--data-parallel D")
     if args.save_interval and not args.save:
         raise OctopipeError(f"train --save-interval {args.save_interval}: give --save PATH too (where to write)")
     if args.resume and args.init:
@@ -938,20 +938,11 @@ def _loss_scaling(args: argparse.Namespace) -> dict[str, Any] | None:
     return options or None
 
 
-def _loss_scaler(args: argparse.Namespace) -> dict[str, Any]:
-    """The engines' `loss_scaler` option from `train`'s loss-scaling flags, or none."""
-    from octopipe.runtime.amp import LossScaler
-
-    options = _loss_scaling(args)
-    return {"loss_scaler": LossScaler(**options)} if options else {}
-
-
 def _saves_at(args: argparse.Namespace, step: int) -> bool:
-    """Whether `train --save` writes the checkpoint after step `step` (0-based): every
-    `--save-interval`-th step, and the last."""
-    if not args.save:
-        return False
-    return step + 1 == args.steps or bool(args.save_interval) and (step + 1) % args.save_interval == 0
+    """Whether `train --save` writes the checkpoint after step `step` (0-based; `bench.saves_after`)."""
+    from octopipe.bench import saves_after
+
+    return bool(args.save) and saves_after(step + 1, args.steps, args.save_interval)
 
 
 def _saved_note(args: argparse.Namespace, step: int) -> str:
@@ -970,9 +961,10 @@ OPTIMIZERS = ("mixed-adam", "adamw", "adam", "sgd-momentum", "sgd")
 import torch)."""
 
 
-def _need_sharded_state(args: argparse.Namespace, command: str, replicas: str) -> None:
+def _check_state_flags(args: argparse.Namespace, command: str, replicas: str) -> None:
     """`--overlap-param-gather` without `--shard-optimizer` has nothing to overlap, and
-    `--fp32-grads` without `--bf16-weights` no fp32 copies to step: refuse them."""
+    `--fp32-grads` without `--bf16-weights` no fp32 copies to step: refuse them (and
+    `--bf16-weights` with `--fp16-weights`). `--fp16-weights` sets `--fp32-grads`, which it needs."""
     from octopipe.errors import OctopipeError
 
     if args.overlap_param_gather and not args.shard_optimizer:
@@ -1112,6 +1104,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     from octopipe import models
     from octopipe.bench import attached_optimizer, save_path
     from octopipe.ir.plan import PipelinePlan
+    from octopipe.runtime.amp import LossScaler
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -1171,7 +1164,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         # as local train seeds its engines (bench._train_worker): the stages' dropout streams
         # derive from it, so both draw the same masks whatever the factory seeded last
         torch.manual_seed(0)
-    engine = pipe.engine(rank, device=device, init=init, **_loss_scaler(args))
+    scaling = _loss_scaling(args)
+    engine = pipe.engine(rank, device=device, init=init, loss_scaler=LossScaler(**scaling) if scaling else None)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
     optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save))
@@ -1193,17 +1187,15 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
                   + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
                      if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
-        if _saves_at(args, step) and step + 1 < args.steps:
-            engine.save_checkpoint(save_path(args.save, step + 1))  # (collective; the last step's below)
+        if _saves_at(args, step):
+            engine.save_checkpoint(save_path(args.save, step + 1))  # (collective: gathered to rank 0, which writes it)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
-    if args.save:
-        engine.save_checkpoint(save_path(args.save, args.steps))  # (collective: gathered to rank 0, which writes it)
-        if rank == 0:
-            print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
-                  f"{save_path(args.save, args.steps)} continues from it)", flush=True)
+    if args.save and rank == 0:
+        print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
+              f"{save_path(args.save, args.steps)} continues from it)", flush=True)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 

@@ -78,14 +78,6 @@ MIXED_ADAM_STEP_BYTES = 28.0
 and moments read (2 + 12), the master copy and moments written back and the bf16 weight cast
 from it (12 + 2)."""
 
-MIXED_ADAM_FP32_GRAD_BYTES = (6.0, 12.0)
-"""mixed-adam's bytes per weight with fp32 gradients (Megatron's default under `--bf16`,
-`fp32_grads`): the bf16 weight and its fp32 gradient, then as `MIXED_ADAM_BYTES`; 18 in all."""
-
-MIXED_ADAM_FP32_GRAD_STEP_BYTES = 30.0
-"""What mixed-adam's step reads and writes per weight with fp32 gradients: the fp32 gradient
-(4, not 2) and otherwise as `MIXED_ADAM_STEP_BYTES`."""
-
 MIXED_PRECISION_ADAM_STATE = sum(MIXED_ADAM_BYTES) / 2
 """Bytes of weights + gradients + optimizer state per byte of bf16 weights: 2 (weight) + 2 (grad)
 + 4 (fp32 master) + 4 + 4 (Adam moments) = 16 bytes per parameter = 8x its 2 bf16 bytes."""
@@ -189,11 +181,10 @@ class MemoryModel:
                                 f"master copies, but {name!r} is given without master_weights; pass "
                                 "master_weights=True too (or mixed-adam, which has the copies)")
         size = param_bytes_per_weight if weight_bytes is None else weight_bytes
+        if moments is None:  # mixed-adam: Adam over fp32 copies of bf16 weights, whatever the table counts
+            moments, size, master_weights = 2, 2.0, True  # (MIXED_ADAM_BYTES, MIXED_ADAM_STEP_BYTES)
         grad = 4.0 if fp32_grads else size  # a weight's gradient bytes
-        if moments is None:
-            held, own = MIXED_ADAM_FP32_GRAD_BYTES if fp32_grads else MIXED_ADAM_BYTES
-            traffic = MIXED_ADAM_FP32_GRAD_STEP_BYTES if fp32_grads else MIXED_ADAM_STEP_BYTES
-        elif master_weights:
+        if master_weights:
             held, own = size + grad, 4.0 * (1 + moments)
             traffic = size + grad + 8.0 * (1 + moments)
         else:

@@ -372,8 +372,7 @@ class Engine:
                       if param.requires_grad and param.dtype is torch.float16) if master_weights else []
         if master_weights:
             low = sorted(name for name, param in self._params.items()
-                         if param.is_floating_point() and param.dtype not in (torch.float32, torch.float64)
-                         and param.dtype not in HALF_DTYPES)
+                         if param.is_floating_point() and param.dtype not in (torch.float32, torch.float64, *HALF_DTYPES))
             if low:
                 raise ArgumentError(f"rank {rank}: Engine(master_weights=True) keeps fp32 copies of bf16 or fp16 "
                                     f"weights, but {low[0]!r} is {self._params[low[0]].dtype}; cast the model to "
@@ -403,11 +402,9 @@ class Engine:
         self._folded: dict[int, list[tuple[str, nn.Parameter]]] = {}
         """With `fp32_grads`: per stage, the (name, parameter) pairs whose gradients it folds."""
         if fp32_grads:
-            for index, stage in self.stages.items():
-                names = dict.fromkeys(name for name, _ in stage.named_parameters())
-                self._folded[index] = [(name, self._params[name]) for name in names
-                                       if self._params[name].requires_grad
-                                       and self._params[name].dtype in HALF_DTYPES]
+            for index, stage in self.stages.items():  # (a stage's parameters are this rank's shared ones)
+                self._folded[index] = [(name, param) for name, param in stage.named_parameters()
+                                       if param.requires_grad and param.dtype in HALF_DTYPES]
         self._fp32_names = frozenset(name for pairs in self._folded.values() for name, _ in pairs)
         self._optimizer_hooks: list[Any] = []
         self._plan_inputs()
