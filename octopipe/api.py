@@ -1169,8 +1169,6 @@ def compile(
                                                   loss_fn=loss_fn, model=model, split_backward=split_backward,
                                                   compile=compile_stages, autocast=autocast,
                                                   run_device="cuda" if cluster.backend == "nccl" else "cpu"))
-        if shard_optimizer and data_parallel > 1:
-            _warn_uneven_shares(stages, chosen, data_parallel)
         links = links_of(stages)
         if receive_ahead is None:
             receive_ahead = max(map(len, chosen.device_ops), default=1) if cluster.backend == "gloo" else 1
@@ -1500,43 +1498,6 @@ def _warn_per_microbatch_state(graph: Any, num_microbatches: int) -> None:
         warnings.warn(f"compile: forward updates buffer(s) {', '.join(sorted(set(updated)))}: the pipeline runs it once "
                       f"per microbatch ({num_microbatches} times a step), not "
                       "once per batch", OctopipeWarning, stacklevel=3)
-
-
-def _warn_uneven_shares(stages: Sequence[Any], chosen: PipelinePlan, replicas: int) -> None:
-    """`shard_optimizer`: warn where a device's replicas cannot split its parameters near evenly
-    (whole parameters, `runtime.engine.shard_owners`): the plan's memory counts 1/replicas of
-    the optimizer's state on every device, and one replica then holds more."""
-    import warnings
-
-    from octopipe.errors import OctopipeWarning
-    from octopipe.runtime.engine import shard_owners
-
-    # the engine assigns every parameter a device holds (frozen ones too); only those that train
-    # have optimizer state
-    sizes: list[dict[str, int]] = [{} for _ in range(chosen.num_devices)]
-    trains: set[str] = set()
-    for stage in stages:
-        for local, param in stage.named_parameters():
-            sizes[chosen.placement[stage.index]][stage.original_name(local)] = param.numel()
-            if param.requires_grad:
-                trains.add(stage.original_name(local))
-    uneven = []
-    for device, every in enumerate(sizes):
-        held = {name: size for name, size in every.items() if name in trains}
-        total = sum(held.values())
-        if not total:
-            continue
-        owners = shard_owners(every, replicas)
-        shares = [sum(n for name, n in held.items() if owners[name] == r) / total for r in range(replicas)]
-        if max(shares) > 1 / replicas + 0.1:
-            largest = max(held, key=lambda name: (held[name], name))
-            uneven.append(f"device {device} ({max(shares):.1%}; {largest!r} alone is {held[largest] / total:.1%})")
-    if uneven:
-        warnings.warn(f"compile: shard_optimizer splits whole parameters between the {replicas} replicas, so one "
-                      f"replica steps, and holds the optimizer state of, more than the 1/{replicas} of a device's "
-                      f"parameters that the plan's memory counts on {', '.join(uneven)}; leave headroom in "
-                      "memory_limit_bytes, or give that device more layers beside the large parameter, or fewer "
-                      "replicas", OctopipeWarning, stacklevel=3)
 
 
 def _guess_target(model: Any, inputs: tuple, loss_fn: Callable[[Any, Any], Any]) -> Any:

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import time
 import warnings
@@ -358,8 +359,6 @@ class Engine:
         """Per stage that runs its forward again at B: where its buffers live (found once)."""
         self.transport = Transport(rank, world_size, self.device, timeout_s)
         self._params = self._tie_local_parameters()
-        self.shard_owners = self._shard_owners() if shard_optimizer else {}
-        """With `shard_optimizer`: parameter (original name) -> the replica whose optimizer steps it."""
         self.overlap_param_gather = overlap_param_gather and self.replicas.size > 1
         self._gather_stage = self._first_forward_stages() if self.overlap_param_gather else {}
         """With `overlap_param_gather`: parameter (original name) -> the stage of this rank whose
@@ -388,13 +387,6 @@ class Engine:
         self._init_masters: dict[str, Tensor] = {}
         """With `master_weights` and a checkpoint `init` that holds fp32 copies (`MASTER_KEY`):
         their values, which the copies start from instead of the weights' bf16 rounding."""
-        if loaded is not None:
-            for name, param in self._params.items():
-                if shard_optimizer and self.shard_owners[name] != self.replicas.replica or not param.requires_grad:
-                    continue  # (another replica's copy, or none)
-                saved = saved_master(loaded, name)
-                if saved is not None and param.dtype in HALF_DTYPES and saved.shape == param.shape:
-                    self._init_masters[name] = saved.detach().to(self.device, torch.float32)
         self.fp32_grads = fp32_grads
         self._main_grads: dict[str, Tensor] = {}
         """With `fp32_grads`: original name -> the fp32 gradient of a bf16 parameter that trains
@@ -413,6 +405,31 @@ class Engine:
         """Tied parameter (original name) -> the ranks holding it, from the program's reductions."""
         self._buckets = self._plan_buckets() if self.replicas.size > 1 else {}
         """With replicas: instruction position -> the gradients to all-reduce once it has run."""
+        self.shard_rows = self._shard_rows() if shard_optimizer else {}
+        """With `shard_optimizer`: parameter (original name) -> its pieces, (replica, first row, end
+        row) each: the rows of it (slices along dim 0) whose optimizer state each replica holds
+        and whose update it computes (`shard_rows`)."""
+        self._mine: dict[str, tuple[int, int]] = {
+            name: (first, end) for name, pieces in self.shard_rows.items() for replica, first, end in pieces
+            if replica == self.replicas.replica} if shard_optimizer else {
+            name: (0, _num_rows(param)) for name, param in self._params.items()}
+        """The rows (first, end) of each parameter whose update this replica computes: all of
+        every one's unless the state is sharded, where a parameter missing here is others' alone."""
+        self._split = {name: (*rows, _num_rows(self._params[name])) for name, rows in self._mine.items()
+                       if rows != (0, _num_rows(self._params[name]))}
+        """The parameters of which this replica steps some rows but not all: name -> (first, end,
+        rows of the whole)."""
+        self._pieces: dict[str, nn.Parameter] = {}
+        """With `shard_optimizer`, for each parameter in `_split` that has no master copy: what
+        the optimizer steps, its rows as a parameter that views the weight's storage (so the step
+        updates them in place), built by `optimizer_parameters`."""
+        if loaded is not None:
+            for name, param in self._params.items():
+                if name not in self._mine or not param.requires_grad:
+                    continue  # (another replica's copy, or none)
+                saved = saved_master(loaded, name)
+                if saved is not None and param.dtype in HALF_DTYPES and saved.shape == param.shape:
+                    self._init_masters[name] = _rows_of(saved.detach(), self._mine[name]).to(self.device, torch.float32)
         try:  # collectives every rank joins: a rank that failed above (its init, say) leaves them
             self._tied_groups = self._make_tied_groups()
             self._data_group, self._pipeline_group = self._make_replica_groups()
@@ -590,20 +607,31 @@ class Engine:
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank's optimizer steps: `parameters()`, or with `shard_optimizer`
-        this replica's share of them (`shard_owners`); with `master_weights`, a bf16 one's fp32
-        copy in its place (`master_parameters`)."""
-        mine = self.replicas.replica
-        names = [name for name in self._params if not self.shard_optimizer or self.shard_owners[name] == mine]
-        if self.master_weights:
-            for name in names:
-                param = self._params[name]
-                if name not in self._masters and param.requires_grad and param.dtype in HALF_DTYPES:
+        this replica's rows of them (`shard_rows`: a parameter cut between replicas is given as
+        a parameter over its rows here, which views the weight); with `master_weights`, a bf16
+        one's fp32 copy (of those rows) in its place (`master_parameters`)."""
+        names = [name for name in self._params if name in self._mine]
+        for name in names:
+            param, rows = self._params[name], self._mine[name]
+            if self.master_weights and param.requires_grad and param.dtype in HALF_DTYPES:
+                if name not in self._masters:
                     start = self._init_masters.pop(name, None)
-                    if start is None or not torch.equal(start.to(param.dtype), param.detach()):
-                        start = param.detach().float()  # (no saved copy, or the weight has changed since)
+                    piece = _rows_of(param.detach(), rows)
+                    if start is None or not torch.equal(start.to(param.dtype), piece):
+                        start = piece.float()  # (no saved copy, or the weight has changed since)
                     self._masters[name] = nn.Parameter(start.clone())
-            self._init_masters.clear()  # (only the first copies start from the checkpoint's)
-        return [self._masters.get(name, self._params[name]) for name in names]
+            elif name in self._split and name not in self._pieces:
+                self._pieces[name] = nn.Parameter(_rows_of(param.detach(), rows), requires_grad=param.requires_grad)
+        self._init_masters.clear()  # (only the first copies start from the checkpoint's)
+        return [self._stepped(name) for name in names]
+
+    def _stepped(self, name: str) -> nn.Parameter:
+        """What the optimizer steps for parameter `name`: its master copy, else its rows'
+        parameter (`_pieces`), else the parameter itself."""
+        stepped = self._masters.get(name)
+        if stepped is None:
+            stepped = self._pieces.get(name, self._params[name])
+        return stepped
 
     def master_parameters(self) -> dict[str, nn.Parameter]:
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for this
@@ -644,23 +672,30 @@ class Engine:
                 param.grad = None
 
     def _optimizer_named(self) -> dict[str, nn.Parameter]:
-        """Original name -> what the optimizer steps for it (its master copy, else the parameter)."""
-        return {name: self._masters.get(name, param) for name, param in self._params.items()}
+        """Original name -> what the optimizer steps for it (`_stepped`)."""
+        return {name: self._stepped(name) for name in self._params}
 
-    def _grads_to_masters(self) -> None:
-        """Before the optimizer's step: each master copy's gradient, its bf16 parameter's cast up
-        (with `fp32_grads`, its fp32 gradient itself)."""
+    def _grads_to_stepped(self) -> None:
+        """Before the optimizer's step: each master copy's gradient, its bf16 parameter's (rows)
+        cast up (with `fp32_grads`, its fp32 gradient itself); each rows' parameter's, a view of
+        its parameter's gradient."""
         for name, master in self._masters.items():
             grad = self._grad(name)
-            master.grad = None if grad is None else grad.detach().float()
+            master.grad = None if grad is None else _rows_of(grad.detach(), self._mine[name]).float()
+        for name, piece in self._pieces.items():
+            grad = self._grad(name)
+            piece.grad = None if grad is None else _rows_of(grad.detach(), self._mine[name])
 
-    def _masters_to_params(self) -> None:
-        """After the optimizer's step: each bf16 parameter rounded from its updated master copy,
-        and the copy's fp32 gradient dropped (cast again from the next step's)."""
+    def _stepped_to_params(self) -> None:
+        """After the optimizer's step: each bf16 parameter (its rows) rounded from its updated
+        master copy, and the gradients given to the copies and the rows' parameters dropped (set
+        again from the next step's)."""
         with torch.no_grad():
             for name, master in self._masters.items():
-                self._params[name].copy_(master)
+                _rows_of(self._params[name], self._mine[name]).copy_(master)
                 master.grad = None
+        for piece in self._pieces.values():
+            piece.grad = None
 
     def _named_optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state by original name, each master copy's values beside its entry
@@ -668,12 +703,28 @@ class Engine:
         named = named_optimizer_state(self.optimizer, self._optimizer_named())  # type: ignore[arg-type]
         for name, master in self._masters.items():
             named["state"][name] = {**named["state"].get(name, {}), MASTER_KEY: master.detach()}
+        for name, rows in self._split.items():  # rows of a parameter: which (merge_state_dicts joins them)
+            if name in named["state"]:
+                named["state"][name][ROWS_KEY] = rows
         return named
 
-    def _shard_owners(self) -> dict[str, int]:
-        """Each parameter's owning replica (`shard_owners`): the same on every copy of this
-        pipeline rank, as they hold the same names and shapes."""
-        return shard_owners({name: param.numel() for name, param in self._params.items()}, self.replicas.size)
+    def _shard_rows(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        """Each parameter's pieces (`shard_rows`), the same on every copy of this pipeline rank
+        (they hold the same names, shapes and buckets): the parameters that train, bucket by
+        bucket (each reduced as one, `_plan_buckets`), cut evenly at row boundaries, as
+        Megatron's distributed optimizer cuts each bucket; one tied across ranks on its own, so
+        every rank holding it cuts it alike; a frozen one whole to replica 0 (it has no state)."""
+        trains = {name for name, param in self._params.items() if param.requires_grad}
+        units = [[name for name in names if name in trains] for _, names in sorted(self._buckets.items())]
+        held = {name for unit in units for name in unit}
+        units += [[name] for name in sorted(trains & set(self._tied_ranks))]
+        units.append(sorted(trains - held - set(self._tied_ranks)))
+        rows = shard_rows([[(name, tuple(self._params[name].shape)) for name in unit] for unit in units],
+                          self.replicas.size)
+        for name, param in self._params.items():
+            if name not in trains:
+                rows[name] = ((0, 0, _num_rows(param)),)
+        return rows
 
     def _first_forward_stages(self) -> dict[str, int]:
         """Parameter (original name) -> the stage of this rank whose forward comes first in the
@@ -702,10 +753,11 @@ class Engine:
         for name, param in self._params.items():
             if param.requires_grad:  # a frozen one never changes
                 stage = self._gather_stage[name] if self.overlap_param_gather else -1
-                groups.setdefault((stage, self.shard_owners[name], param.dtype), []).append(param)
+                for replica, first, end in self.shard_rows[name]:
+                    groups.setdefault((stage, replica, param.dtype), []).append(_rows_of(param, (first, end)))
         me = self.replicas.replica
         for stage, replica, dtype in sorted(groups, key=lambda key: (key[0], key[1], str(key[2]))):
-            params = groups[stage, replica, dtype]
+            params = groups[stage, replica, dtype]  # (rows of parameters, views)
             flat = (torch.cat([p.detach().reshape(-1) for p in params]) if replica == me else
                     torch.empty(sum(p.numel() for p in params), dtype=dtype, device=self.device))
             src = self.replicas.data_ranks(self.replicas.stage_rank)[replica]
@@ -793,12 +845,21 @@ class Engine:
                             "torch.optim.AdamW(params, ...)), which gets them")
                     raise ExecutionError(f"rank {self.rank}: the optimizer holds a parameter this rank does not "
                                          "(build it over engine.optimizer_parameters())")
+        cut = next((name for name, pieces in self.shard_rows.items() if len(pieces) > 1), None)
+        if cut is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            pieces = ", ".join(f"rows {first}-{end} on replica {replica}" for replica, first, end in self.shard_rows[cut])
+            raise ArgumentError(
+                f"rank {self.rank}: shard_optimizer cuts parameters between the replicas at row boundaries "
+                f"({cut!r}: {pieces}), so each replica's optimizer steps some rows of them, which only an "
+                f"element-wise optimizer can ({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}); "
+                f"{type(optimizer).__name__}'s update reads a whole parameter: use one of those, or run without "
+                "shard_optimizer")
         for hook in self._optimizer_hooks:  # an optimizer attached before: its hooks go with it
             hook.remove()
         self._optimizer_hooks = []
-        if self._masters:  # (in this order: the bf16 weights are set before a sharded state sends them)
-            self._optimizer_hooks += [optimizer.register_step_pre_hook(lambda *_: self._grads_to_masters()),
-                                      optimizer.register_step_post_hook(lambda *_: self._masters_to_params())]
+        if self._masters or self._pieces:  # (in this order: the bf16 weights are set before a sharded state sends them)
+            self._optimizer_hooks += [optimizer.register_step_pre_hook(lambda *_: self._grads_to_stepped()),
+                                      optimizer.register_step_post_hook(lambda *_: self._stepped_to_params())]
         if self.shard_optimizer and self.replicas.size > 1:
             self.finish_param_sync()
             self._optimizer_hooks.append(optimizer.register_step_post_hook(lambda *_: self._broadcast_shards()))
@@ -806,7 +867,7 @@ class Engine:
         return optimizer
 
     def zero_grad(self) -> None:
-        for param in (*self._params.values(), *self._masters.values()):
+        for param in (*self._params.values(), *self._masters.values(), *self._pieces.values()):
             param.grad = None
         self._main_grads.clear()
 
@@ -828,23 +889,25 @@ class Engine:
         # each parameter's term (|g|_inf, or |g|_p ** p), in parameter order; a tied one counted
         # on the lowest rank holding it
         grads = [self._grad(name) for name in self._params]
+        # (sharded: the rows this replica steps, the only ones summed over the replicas here)
         terms: list[Tensor | None] = [
-            None if grad is None or me != min(self._tied_ranks.get(name, (me,))) else
-            grad.detach().abs().max().double() if infinite else
-            torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
+            None if grad is None or name not in self._mine or me != min(self._tied_ranks.get(name, (me,))) else
+            _rows_of(grad.detach(), self._mine[name]).abs().max().double() if infinite else
+            torch.linalg.vector_norm(_rows_of(grad.detach(), self._mine[name]).double(), norm_type) ** norm_type
             for name, grad in zip(self._params, grads)]
         if self.shard_optimizer and self.replicas.size > 1 and dist.is_initialized():
-            # each gradient is on its owner only: gather the terms over the copies (every entry
-            # is one replica's term and zeros elsewhere, so the sum is exact) and total them in
-            # the same order as an unsharded engine, so the norm is its norm bit for bit
-            gathered = torch.zeros(len(terms), dtype=torch.float64, device=self.device)
+            # each gradient's rows are summed on their own replica only: gather the terms over
+            # the copies, a column each (zeros where a replica has none), and total each row
+            # first, then the parameters in the same order as an unsharded engine, so that where
+            # a parameter is one replica's alone (x + 0 is x) the norm is its norm bit for bit
+            gathered = torch.zeros(len(terms), self.replicas.size, dtype=torch.float64, device=self.device)
             for index, term in enumerate(terms):
                 if term is not None:
-                    gathered[index] = term
+                    gathered[index, self.replicas.replica] = term
             self.transport.finish(self.transport.all_reduce(
                 gathered, f"rank {self.rank}: clip_grad_norm_: the norm's terms over the replicas (shard_optimizer)",
                 self._data_group))
-            terms = list(gathered.unbind())  # zeros where no replica had a term: exact in a sum or max
+            terms = list((gathered.amax(dim=1) if infinite else gathered.sum(dim=1)).unbind())
         if infinite:
             local = max((term.clone() for term in terms if term is not None), default=None)
             total = torch.zeros((), dtype=torch.float64, device=self.device) if local is None else local
@@ -945,7 +1008,7 @@ class Engine:
         timeline = self.timeline
         clock = time.perf_counter
         buckets = self._buckets if not self._evaluating else {}
-        self._bucket_work: list[tuple[Pending, list[str], Tensor, bool]] = []
+        self._bucket_work: list[tuple[Pending, list[tuple[str, tuple[int, int]]], Tensor, bool]] = []
         for position, instruction in enumerate(instructions):
             self._position = position
             try:
@@ -1237,9 +1300,8 @@ class Engine:
             self._reduce_over_replicas(i)
         if self.loss_scaler is not None and not self._evaluating:
             self._unscale(i)
-        mine = self.replicas.replica
         for name, earlier in self._tied_earlier.items():
-            if earlier is not None and (not self.shard_optimizer or self.shard_owners[name] == mine):
+            if earlier is not None and name in self._mine:  # (sharded: another replica's alone, dropped)
                 grad = self._grad(name)
                 self._set_grad(name, earlier if grad is None else earlier.add_(grad))
         self._tied_earlier = {}
@@ -1323,19 +1385,20 @@ class Engine:
     def _reduce_bucket(self, names: Sequence[str], where: str) -> None:
         """Start summing these parameters' gradients over this pipeline rank's replicas (each
         microbatch already weighs 1/replicas): one flat all-reduce per gradient dtype, in name
-        order; with `shard_optimizer`, one flat reduce per owning replica and dtype onto that
-        replica alone (the bytes of a reduce-scatter). `step` waits for them and copies the sums
-        back (sharded: the owner's; the others' gradients are dropped)."""
-        groups: dict[tuple[int, torch.dtype], list[str]] = {}
+        order; with `shard_optimizer`, one flat reduce per replica and dtype of the rows it steps
+        (`shard_rows`) onto that replica alone (the bytes of a reduce-scatter). `step` waits for
+        them and copies the sums back (sharded: into this replica's rows; the gradient of a
+        parameter of which it steps no rows is dropped)."""
+        groups: dict[tuple[int, torch.dtype], list[tuple[str, tuple[int, int]]]] = {}
         for name in names:
             grad = self._grad(name)
             if grad is not None:
-                owner = self.shard_owners[name] if self.shard_optimizer else -1
-                groups.setdefault((owner, grad.dtype), []).append(name)
+                pieces = self.shard_rows[name] if self.shard_optimizer else ((-1, 0, _num_rows(grad)),)
+                for owner, first, end in pieces:
+                    groups.setdefault((owner, grad.dtype), []).append((name, (first, end)))
         ranks = self.replicas.data_ranks(self.replicas.stage_rank)
         for (owner, _), group in groups.items():
-            grads = [self._grad(name) for name in group]
-            flat = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
+            flat = torch.cat([_rows_of(self._grad(name), rows).reshape(-1) for name, rows in group])  # type: ignore[arg-type]
             if owner < 0:
                 pending = self.transport.all_reduce(flat, where, self._data_group)
             else:
@@ -1348,17 +1411,18 @@ class Engine:
         then the gradients none of them held (the parameters tied across ranks)."""
         bucketed = {name for names in self._buckets.values() for name in names}
         self._reduce_bucket([name for name in sorted(self._params) if name not in bucketed], self._where(i))
-        for pending, names, flat, mine in self._bucket_work:
+        reduced = set()
+        for pending, pieces, flat, mine in self._bucket_work:
             self.transport.finish(pending)
             offset = 0
-            for name in names:
-                grad = self._grad(name)
-                assert grad is not None
+            for name, rows in pieces:
+                piece = _rows_of(self._grad(name), rows)  # type: ignore[arg-type]
                 if mine:
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                else:  # another replica's share: only partly summed here, and its optimizer steps it
-                    self._set_grad(name, None)
-                offset += grad.numel()
+                    piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
+                offset += piece.numel()
+                reduced.add(name)
+        for name in reduced - set(self._mine):  # others' alone: only partly summed here, and they step it
+            self._set_grad(name, None)
         self._bucket_work = []
 
     # -- state ----------------------------------------------------------------------------------------
@@ -1406,13 +1470,18 @@ class Engine:
         self.finish_param_sync()  # a broadcast still running would overwrite what is loaded
         load_named([*((name, param, strict) for name, param in self._params.items()),
                     *((name, buffer, False) for name, buffer in self.named_buffers())], state["model"], self.rank, "state")
+        where = f"rank {self.rank}: load_state_dict"
         with torch.no_grad():  # the master copies: the saved fp32 values, else the loaded weights
             for name, master in self._masters.items():
                 value = saved_master(state, name)
-                master.copy_(value if value is not None else self._params[name])
+                rows = self._split.get(name)
+                if value is None:
+                    value = _rows_of(self._params[name], self._mine[name])
+                elif rows is not None:
+                    value = saved_rows(value, state["optimizer"]["state"][name], rows, f"{where}: {name!r}")
+                master.copy_(value)
         if self.optimizer is not None and "optimizer" in state:
-            load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
-                                 f"rank {self.rank}: load_state_dict")
+            load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"], where, self._split)
         elif "optimizer" in state and self._params:
             warnings.warn(f"rank {self.rank}: load_state_dict: the state holds optimizer state but this engine has no "
                           "optimizer, so it is not loaded; attach the optimizer first (pipe.engine(rank, "
@@ -1525,10 +1594,14 @@ def saved_master(state: Mapping[str, Any], name: str) -> Tensor | None:
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
-                         state: Mapping[str, Any], where: str = "load_optimizer_state") -> None:
+                         state: Mapping[str, Any], where: str = "load_optimizer_state",
+                         split: Mapping[str, tuple[int, int, int]] | None = None) -> None:
     """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`
     (a master copy's values saved beside an entry are not the optimizer's: `load_state_dict`
-    and `load_into_model` take them)."""
+    and `load_into_model` take them). `split`: name -> (first row, end row, rows) for each
+    parameter the optimizer steps only some rows of (a sharded engine's): its saved state is
+    cut to them (`saved_rows`)."""
+    split = split or {}
     name_of = {id(p): name for name, p in named_parameters.items()}
     groups = state["param_groups"]
     if len(groups) != len(optimizer.param_groups):
@@ -1543,25 +1616,84 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
         for param in group["params"]:
             name = None if getattr(param, _STAND_IN, False) else name_of[id(param)]
             if name in state["state"]:
-                raw_state[position] = {k: v for k, v in state["state"][name].items() if k != MASTER_KEY}
+                entry = state["state"][name]
+                raw_state[position] = {key: saved_rows(value, entry, split.get(name), f"{where}: {name!r}")
+                                       for key, value in entry.items() if key not in (MASTER_KEY, ROWS_KEY)}
             positions.append(position)
             position += 1
         raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
     optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
 
 
-def shard_owners(sizes: Mapping[str, int], replicas: int) -> dict[str, int]:
-    """The replica of `replicas` whose sharded optimizer steps each parameter (name -> element
-    count): the largest first (then by name) to the replica that owns the fewest elements so far
-    (the lowest of equals). Whole parameters, so one larger than 1/replicas of the rank's
-    elements leaves its owner more than its even share."""
-    owned = [0] * replicas
-    owners: dict[str, int] = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        replica = min(range(replicas), key=lambda r: (owned[r], r))
-        owners[name] = replica
-        owned[replica] += sizes[name]
-    return owners
+ROWS_KEY = "rows"
+"""Where a sharded engine's named optimizer state marks an entry that holds some rows of its
+parameter only: (first row, end row, rows of the whole); `merge_state_dicts` joins the pieces."""
+
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
+                          torch.optim.ASGD, torch.optim.Rprop)
+"""The optimizers whose update of an element reads only that element's gradient and state (and
+the step count): those `shard_optimizer` can step on rows of a parameter (Megatron's
+distributed optimizer also takes Adam and SGD only)."""
+
+
+def _num_rows(tensor: Tensor) -> int:
+    """A tensor's rows: its length along dim 0 (a 0-d one is one row)."""
+    return tensor.shape[0] if tensor.ndim else 1
+
+
+def _rows_of(tensor: Tensor, rows: tuple[int, int]) -> Tensor:
+    """Rows [first, end) of `tensor` (a view), or `tensor` itself where they are all of it."""
+    first, end = rows
+    return tensor if (first, end) == (0, _num_rows(tensor)) else tensor[first:end]
+
+
+def saved_rows(value: Any, entry: Mapping[str, Any], rows: tuple[int, int, int] | None, where: str) -> Any:
+    """The part of a saved optimizer state value (in `entry`, one parameter's) that an optimizer
+    stepping rows `rows` = (first, end, rows of the whole) of it takes (None: all of it): a
+    whole parameter's per-element tensors (length `rows` along dim 0) are cut to the rows; an
+    entry saved by a sharded engine (`ROWS_KEY`) loads only where it holds those same rows."""
+    saved = entry.get(ROWS_KEY)
+    if saved is not None:
+        if rows is None or tuple(saved) != tuple(rows):
+            raise ExecutionError(f"{where}: the saved optimizer state holds rows {saved[0]}-{saved[1]} of "
+                                 f"{saved[2]} only (one replica's share, shard_optimizer), but this optimizer steps "
+                                 + ("all of them" if rows is None else f"rows {rows[0]}-{rows[1]}") +
+                                 "; load the merged state (gather_state_dict, save_checkpoint), which joins every "
+                                 "replica's share")
+        return value
+    if rows is None or not isinstance(value, Tensor) or value.ndim == 0 or value.shape[0] != rows[2]:
+        return value  # (a step count, or a value of another shape: the same for every row)
+    return value[rows[0]:rows[1]]
+
+
+def shard_rows(units: Sequence[Sequence[tuple[str, tuple[int, ...]]]], replicas: int
+               ) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """How `shard_optimizer` splits a pipeline rank's parameters between its `replicas` copies:
+    name -> its pieces, (replica, first row, end row) each, the rows (a slice along dim 0, so a
+    piece keeps its parameter's dimensions; a 0-d parameter is one row) whose optimizer state
+    that replica holds and whose update it computes. Each unit (the parameters reduced together,
+    as (name, shape)) is cut evenly, as Megatron's distributed optimizer cuts each bucket's flat
+    buffer: laid end to end, a row goes to the replica whose 1/`replicas` of the unit's elements
+    holds its middle element. So every replica holds its even share of each unit to within a
+    row at each cut."""
+    pieces: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    for unit in units:
+        total = sum(math.prod(shape) for _, shape in unit)
+        base = 0
+        for name, shape in unit:
+            rows = shape[0] if shape else 1
+            size = math.prod(shape[1:]) if shape else 1  # a row's elements
+            if not size or not rows or not total:
+                pieces[name] = ((0, 0, rows),)
+                continue
+            # row i goes to replica k where k * total <= (base + i * size + size / 2) * replicas
+            # < (k + 1) * total: replica k's first row is the smallest i meeting the left side
+            starts = [min(rows, max(0, -((replicas * (2 * base + size) - 2 * k * total) // (2 * replicas * size))))
+                      for k in range(replicas)] + [rows]
+            pieces[name] = tuple((k, starts[k], starts[k + 1]) for k in range(replicas) if starts[k] < starts[k + 1])
+            base += rows * size
+    return pieces
 
 
 def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -1569,6 +1701,7 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     shards = list(shards)
     model: dict[str, Any] = {}
     optimizer_state: dict[str, Any] = {}
+    pieces: dict[str, dict[int, Mapping[str, Any]]] = {}  # a sharded optimizer's rows, by first row
     groups: list[dict[str, Any]] = []
     has_optimizer = False
     for shard in shards:
@@ -1577,13 +1710,19 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         if "optimizer" in shard:
             has_optimizer = True
             for name, value in shard["optimizer"]["state"].items():
-                optimizer_state.setdefault(name, value)
+                if ROWS_KEY in value:
+                    pieces.setdefault(name, {}).setdefault(value[ROWS_KEY][0], value)
+                else:
+                    optimizer_state.setdefault(name, value)
             for index, group in enumerate(shard["optimizer"]["param_groups"]):
                 if index == len(groups):
                     groups.append({**group, "params": []})
                 for name in group["params"]:
                     if name not in groups[index]["params"]:
                         groups[index]["params"].append(name)
+    for name, parts in pieces.items():
+        if name not in optimizer_state:
+            optimizer_state[name] = _join_rows(name, [parts[first] for first in sorted(parts)])
     merged: dict[str, Any] = {"model": model}
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
@@ -1594,6 +1733,27 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     if scalers:  # every rank's is the same: they decide each step together
         merged["loss_scaler"] = scalers[0]
     return merged
+
+
+def _join_rows(name: str, parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One parameter's optimizer state from the entries of the replicas stepping its rows (each
+    with `ROWS_KEY`, in row order): the per-element tensors joined along dim 0, the rest (the
+    step count) the first's."""
+    rows = parts[0][ROWS_KEY][2]
+    covered = [tuple(part[ROWS_KEY][:2]) for part in parts]
+    if covered[0][0] != 0 or covered[-1][1] != rows or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+        raise ExecutionError(f"merge_state_dicts: the optimizer state of {name!r} comes in pieces (shard_optimizer) "
+                             f"that cover rows {covered} of its {rows}, not all of them once; merge the shards of "
+                             "every replica of the ranks that hold it (gather_state_dict does)")
+    joined: dict[str, Any] = {}
+    for key, value in parts[0].items():
+        if key == ROWS_KEY:
+            continue
+        values = [part[key] for part in parts]
+        per_row = all(isinstance(v, Tensor) and v.ndim > 0 and v.shape[0] == end - first
+                      for v, (first, end) in zip(values, covered))
+        joined[key] = torch.cat(values) if per_row else value
+    return joined
 
 
 def _engine_device(device: torch.device | str | None, first: Tensor | None, rank: int) -> torch.device:

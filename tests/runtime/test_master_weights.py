@@ -14,8 +14,7 @@ from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.runtime import launch
 from octopipe.runtime.engine import MASTER_KEY, load_into_model
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:compile. shard_optimizer splits whole parameters")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 MICROBATCHES = 4
 STEPS = 3
 LR = 1e-2
@@ -118,7 +117,7 @@ def _sharded(rank, world_size, folder):
                 engine.save_checkpoint(f"{folder}/{'sharded' if shard else 'whole'}.pt")
         engine.finish_param_sync()  # (overlapped: the other replica's share lands now)
         runs[shard] = dict(losses=losses, params={n: p.detach().clone() for n, p in engine.named_parameters()},
-                           masters=sorted(engine.master_parameters()), owners=dict(engine.shard_owners),
+                           masters=sorted(engine.master_parameters()), rows=dict(engine.shard_rows),
                            trains=sorted(n for n, p in engine.named_parameters() if p.requires_grad))
     # the sharded run's checkpoint resumed without sharding: the last step as the uninterrupted one
     engine = _pipe(name="gemma", cluster="cpux4", data_parallel=2).engine(rank, timeout_s=60, optimizer=_adamw)
@@ -145,14 +144,17 @@ def test_sharded_master_weights_hold_their_share_and_checkpoint_the_fp32_copies(
             assert torch.equal(resumed[name], value), (rank, name)
         assert whole["masters"] == whole["trains"]
         replica = rank % 2
-        assert sharded["masters"] == [n for n in whole["trains"] if sharded["owners"][n] == replica], rank
+        mine = {n: (first, end) for n, pieces in sharded["rows"].items() for r, first, end in pieces if r == replica}
+        assert sharded["masters"] == [n for n in whole["trains"] if n in mine], rank
+        assert any(mine[n] != (0, whole["params"][n].shape[0]) for n in mine), rank  # (some cut at a row)
     # the file holds every weight's fp32 copy beside its optimizer state; a plain fp32 model
     # loads the copies, a bf16 one the weights
     state = torch.load(tmp_path / "sharded.pt", weights_only=True)
     for rank, (runs, _) in enumerate(per_rank):
         assert sorted(runs["init"]) == runs[True]["masters"], rank
-        for name, value in runs["init"].items():
-            assert torch.equal(value, state["optimizer"]["state"][name][MASTER_KEY]), (rank, name)
+        for name, value in runs["init"].items():  # (this replica's rows of them)
+            (first, end), = [(a, b) for r, a, b in runs[True]["rows"][name] if r == rank % 2]
+            assert torch.equal(value, state["optimizer"]["state"][name][MASTER_KEY][first:end]), (rank, name)
     names = set(per_rank[0][0][False]["trains"]) | set(per_rank[2][0][False]["trains"])
     assert {n for n, entry in state["optimizer"]["state"].items() if MASTER_KEY in entry} == names
     for name in names:

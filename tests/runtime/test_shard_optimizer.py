@@ -14,6 +14,7 @@ import octopipe
 from octopipe import models
 from octopipe.errors import ArgumentError, ExecutionError
 from octopipe.runtime import launch
+from octopipe.runtime.engine import ROWS_KEY, merge_state_dicts, saved_rows, shard_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REPLICAS = 2
@@ -70,9 +71,8 @@ def _worker(rank, world_size, folder):
                 engine.save_checkpoint(f"{folder}/{'sharded' if shard else 'whole'}.pt")
         runs[shard] = dict(losses=losses, grads=grads, params={n: p.detach().clone() for n, p in engine.named_parameters()},
                            state_numel=_state_numel(engine.optimizer),
-                           state_names=sorted(octopipe.runtime.engine.named_optimizer_state(
-                               engine.optimizer, dict(engine.named_parameters()))["state"]),
-                           owners=dict(engine.shard_owners))
+                           state_names=sorted(engine.state_dict()["optimizer"]["state"]),
+                           rows=dict(engine.shard_rows))
     # resume each checkpoint in the other kind of run: the last step as the uninterrupted runs took it
     resumed = {}
     for shard in (False, True):
@@ -96,7 +96,13 @@ def _worker(rank, world_size, folder):
         refused = None
     except ExecutionError as exc:
         refused = str(exc)
-    return runs, resumed, refused, accumulated
+    # and one whose update reads whole parameters (Adafactor's factored moments), as they are cut
+    try:
+        engine.attach_optimizer(lambda params: torch.optim.Adafactor(params, lr=LR))
+        refused_whole = None
+    except ArgumentError as exc:
+        refused_whole = str(exc)
+    return runs, resumed, (refused, refused_whole), accumulated
 
 
 def _plain():
@@ -119,7 +125,7 @@ def _plain():
 def test_sharded_optimizer_state_trains_as_the_whole_one_with_half_the_state(tmp_path):
     per_rank = launch(_worker, 4, args=(str(tmp_path),), timeout_s=240)
     plain_losses, plain_params = _plain()
-    for rank, (runs, resumed, refused, accumulated) in enumerate(per_rank):
+    for rank, (runs, resumed, (refused, refused_whole), accumulated) in enumerate(per_rank):
         whole, sharded = runs[False], runs[True]
         assert sharded["losses"] == whole["losses"], rank  # bit for bit
         assert sharded["losses"] == pytest.approx(plain_losses, rel=1e-5)
@@ -131,30 +137,35 @@ def test_sharded_optimizer_state_trains_as_the_whole_one_with_half_the_state(tmp
             assert torch.equal(resumed[False][name], value), (rank, name, "sharded checkpoint, whole optimizer")
             assert torch.equal(resumed[True][name], value), (rank, name, "whole checkpoint, sharded optimizer")
         replica = rank % REPLICAS
-        owned = sorted(name for name, owner in sharded["owners"].items() if owner == replica)
-        # after the step: the summed gradients of this copy's share, the unsharded ones bit for
-        # bit, and none of the other copy's (reduced onto it)
+        mine = {name: (first, end) for name, pieces in sharded["rows"].items() for r, first, end in pieces
+                if r == replica}
+        owned = sorted(mine)
+        # after the step: the summed gradients of this copy's rows, the unsharded ones bit for
+        # bit, and none of a parameter whose rows are all the other copy's (reduced onto it)
         assert sorted(name for name, grad in sharded["grads"].items() if grad is not None) == owned, rank
-        for name in owned:
-            assert torch.equal(sharded["grads"][name], whole["grads"][name]), (rank, name)
-            assert torch.equal(accumulated[True][name], accumulated[False][name]), (rank, name, "accumulated")
+        for name, (first, end) in mine.items():
+            assert torch.equal(sharded["grads"][name][first:end], whole["grads"][name][first:end]), (rank, name)
+            assert torch.equal(accumulated[True][name][first:end], accumulated[False][name][first:end]), (rank, name)
         assert all(accumulated[True][name] is None for name in accumulated[True] if name not in owned), rank
-        assert sharded["state_names"] == owned  # this copy holds its share's state only
+        assert sharded["state_names"] == owned  # this copy holds its rows' state only
         assert whole["state_names"] == sorted(whole["params"])
         assert refused is not None and "another replica's optimizer" in refused, rank
-    shares = []
+        assert refused_whole is not None and "Adafactor's update reads a whole parameter" in refused_whole, rank
     for stage in range(2):  # the two copies of a pipeline rank split its state between them
         first, second = (per_rank[stage * REPLICAS + replica][0] for replica in range(REPLICAS))
-        assert set(first[True]["state_names"]).isdisjoint(second[True]["state_names"])
-        assert set(first[True]["state_names"]) | set(second[True]["state_names"]) == set(first[False]["params"])
+        rows = first[True]["rows"]
+        assert rows == second[True]["rows"]  # (both copies cut alike)
+        for name, pieces in rows.items():  # every parameter's rows, each stepped by one copy
+            spans = [(start, end) for _, start, end in pieces]
+            assert spans[0][0] == 0 and spans[-1][1] == first[False]["params"][name].shape[0], name
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
+        assert any(len(pieces) == 2 for pieces in rows.values())  # (some parameters are cut)
         total = first[False]["state_numel"]
         assert first[True]["state_numel"] + second[True]["state_numel"] == total
-        # whole parameters: the shares differ by at most the largest one's state (2 moments)
-        largest = 2 * max(value.numel() for value in first[False]["params"].values())
-        assert abs(first[True]["state_numel"] - second[True]["state_numel"]) <= largest, stage
-        shares.append(first[True]["state_numel"] / total)
-    # rank 0's many blocks split near half; rank 1 holds the tied head (65,536 weights) and a norm
-    assert 0.45 <= shares[0] <= 0.55, shares
+        # rows cut evenly: the shares differ by at most a row at each bucket's cut (2 moments)
+        widest = max(value[0].numel() for value in first[False]["params"].values())
+        assert abs(first[True]["state_numel"] - second[True]["state_numel"]) <= 2 * 2 * widest * len(rows), stage
+        assert abs(first[True]["state_numel"] / total - 0.5) < 0.01, (stage, first[True]["state_numel"] / total)
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)["optimizer"]
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)["optimizer"]
     assert set(sharded["state"]) == set(whole["state"])  # every replica's share gathered into the file
@@ -168,10 +179,7 @@ def test_shard_optimizer_arguments_and_memory():
     options = dict(example_inputs=(tokens[0],), example_target=target[0], loss_fn=models.lm_loss, num_microbatches=2,
                    schedule="1f1b", quiet=True, optimizer="adamw", data_parallel=2)
     whole = octopipe.compile(_model(), "cpux4", **options)
-    # device 1 holds the tied head, nearly all its weights: one replica steps it whole
-    with pytest.warns(octopipe.OctopipeWarning, match=r"more than the 1/2 of a device's parameters that the plan's "
-                      r"memory counts on device 1 \(99\.9%; 'embed\.weight' alone is 99\.9%\)"):
-        sharded = octopipe.compile(_model(), "cpux4", shard_optimizer=True, **options)
+    sharded = octopipe.compile(_model(), "cpux4", shard_optimizer=True, **options)
     # fp32 AdamW on analytic (bf16) costs: weights and gradients 8 bytes a weight, moments 8 over 2 replicas
     assert whole.simulation.memory.state_bytes_per_param_byte == pytest.approx(8.0)
     assert sharded.simulation.memory.state_bytes_per_param_byte == pytest.approx(6.0)
@@ -216,3 +224,54 @@ def test_shard_optimizer_arguments_and_memory():
         sharded.engine(0, shard_optimizer="yes")
     with pytest.raises(ArgumentError, match="compile: shard_optimizer must be True or False"):
         octopipe.compile(_model(), "cpux4", shard_optimizer=1, **options)
+
+
+def test_shard_rows_cut_each_bucket_evenly_at_row_boundaries():
+    units = [[("a", (10, 4)), ("b", (3,)), ("c", (7, 2, 3))], [("d", (5, 5))], [("e", ()), ("f", (1, 9))], [("g", (0, 4))]]
+    for replicas in (1, 2, 3, 4):
+        pieces = shard_rows(units, replicas)
+        assert set(pieces) == set("abcdefg")
+        for unit in units:
+            held = [0] * replicas
+            for name, shape in unit:
+                rows = shape[0] if shape else 1
+                spans = pieces[name]
+                # the rows of each parameter, in order, each stepped by one replica (replicas ascending)
+                assert spans[0][1] == 0 and spans[-1][2] == rows, (name, spans)
+                assert all(a[2] == b[1] and a[0] < b[0] for a, b in zip(spans, spans[1:])), (name, spans)
+                for replica, first, end in spans:
+                    held[replica] += (end - first) * (torch.Size(shape[1:]).numel() if shape else 1)
+            total = sum(held)
+            widest = max((torch.Size(shape[1:]).numel() if shape else 1) for _, shape in unit)
+            # within a row of the even share (a row goes where its middle element falls)
+            assert all(abs(h - total / replicas) <= widest for h in held), (replicas, unit, held)
+    assert shard_rows(units, 1)["a"] == ((0, 0, 10),)
+    two = shard_rows(units, 2)
+    # 40 + 3 + 42 elements: b's third row's middle falls on the half, 42.5, and goes to replica 1
+    assert two["a"] == ((0, 0, 10),) and two["b"] == ((0, 0, 2), (1, 2, 3)) and two["c"] == ((1, 0, 7),)
+    assert two["d"] == ((0, 0, 2), (1, 2, 5))
+    assert two["e"] == ((0, 0, 1),) and two["f"] == ((1, 0, 1),)  # (a 0-d parameter is one row)
+    assert two["g"] == ((0, 0, 0),)  # (no elements: nothing to cut)
+
+
+def test_a_sharded_optimizer_state_joins_by_rows_and_loads_cut():
+    whole = {"step": torch.tensor(3.0), "exp_avg": torch.arange(12.0).reshape(6, 2), "lr_scale": torch.ones(2)}
+    first = {"step": torch.tensor(3.0), "exp_avg": whole["exp_avg"][:4], "lr_scale": torch.ones(2), ROWS_KEY: (0, 4, 6)}
+    second = {"step": torch.tensor(3.0), "exp_avg": whole["exp_avg"][4:], "lr_scale": torch.ones(2), ROWS_KEY: (4, 6, 6)}
+    shard = {"model": {}, "optimizer": {"state": {"w": second}, "param_groups": [{"lr": 1.0, "params": ["w"]}]}}
+    merged = merge_state_dicts([{**shard, "optimizer": {**shard["optimizer"], "state": {"w": first}}}, shard, shard])
+    joined = merged["optimizer"]["state"]["w"]
+    assert set(joined) == {"step", "exp_avg", "lr_scale"}  # (the rows' marker dropped)
+    assert torch.equal(joined["exp_avg"], whole["exp_avg"]) and torch.equal(joined["lr_scale"], whole["lr_scale"])
+    # a whole state cut to an optimizer's rows: per-row tensors only
+    assert torch.equal(saved_rows(whole["exp_avg"], whole, (4, 6, 6), "t"), whole["exp_avg"][4:])
+    assert saved_rows(whole["lr_scale"], whole, (4, 6, 6), "t") is whole["lr_scale"]
+    assert saved_rows(whole["step"], whole, (4, 6, 6), "t") is whole["step"]
+    assert saved_rows(second["exp_avg"], second, (4, 6, 6), "t") is second["exp_avg"]  # its own shard
+    with pytest.raises(ExecutionError, match="holds rows 4-6 of 6 only.*this optimizer steps rows 0-3; load the "
+                                             "merged state"):
+        saved_rows(second["exp_avg"], second, (0, 3, 6), "t")
+    with pytest.raises(ExecutionError, match="steps all of them"):
+        saved_rows(second["exp_avg"], second, None, "t")
+    with pytest.raises(ExecutionError, match=r"'w' comes in pieces .* cover rows \[\(4, 6\)\] of its 6"):
+        merge_state_dicts([shard])
