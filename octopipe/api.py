@@ -988,7 +988,9 @@ def compile(
     default mixed-precision Adam's; a `memory` with its own state bytes is taken as given) and
     the simulation prices what the runtime moves (`MemoryModel.shards`): each share's gradients
     reduced onto its owner (a reduce-scatter's bytes, not an all-reduce's) and each replica's
-    updated share broadcast to the others after the step.
+    updated share broadcast to the others after the step. The shares are even to within a row
+    (each stage's parameters cut at row boundaries, `Engine.shard_rows`), so the optimizer must
+    be element-wise (`runtime.engine.ELEMENTWISE_OPTIMIZERS`: SGD, Adam, AdamW, ...).
     overlap_param_gather: with shard_optimizer (Megatron's `--overlap-param-gather`), that
     broadcast runs beside the next step instead of ending this one: each stage's first forward
     waits for its own share, and the simulation (so the search) prices it there

@@ -1522,9 +1522,10 @@ def _parser() -> argparse.ArgumentParser:
                         "else 1; --nprocs counts all ranks: default 2 x D, or the plan's devices x D)")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="split the optimizer's state over the --data-parallel replicas (ZeRO-1, Megatron's "
-                        "distributed optimizer): each gets the summed gradients of its share only, steps it and "
-                        "sends it to the others; the same updates, 1/D of the state per rank, half the gradient "
-                        "traffic of an all-reduce, and the plan's memory limit counts that")
+                        "distributed optimizer): each stage's parameters cut evenly at row boundaries, each replica "
+                        "gets the summed gradients of its rows only, steps them and sends them to the others; the "
+                        "same updates, 1/D of the state per rank, half the gradient traffic of an all-reduce, and "
+                        "the plan's memory limit counts that")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="with --shard-optimizer: leave the shares' broadcast after each step running beside the next "
                         "step, each stage's first forward waiting for its own (Megatron's --overlap-param-gather); "

@@ -46,18 +46,24 @@ across ranks after their tied all-reduce, at `step`. The engine starts by broadc
 buffers to the others, as DDP does.
 
 Sharded optimizer state (`shard_optimizer=True`, ZeRO stage 1, with the gradient reduction of
-Megatron's distributed optimizer): the D copies of a pipeline rank split its
-parameters between them (`shard_owners`: whole parameters, the largest first to the replica
-holding the fewest elements), each builds its optimizer over its own share only
-(`optimizer_parameters`), so it holds about 1/D of the optimizer's state, and every
-`optimizer.step()` ends (a post-step hook) by broadcasting each share's updated values from its
-owner to the other copies. Each bucket's gradients are summed onto their owner only (a flat
-reduce per owner and dtype: a reduce-scatter's bytes, half an all-reduce's, as Megatron's
-distributed optimizer moves them), so after `step` a copy holds the gradients of its own share and
-None for the others'; `clip_grad_norm_` gathers the per-parameter terms of the norm and totals them
-in the unsharded order. With 2 replicas (a sum of two is the same in any order) the updates, and
-the whole run, are those of the unsharded optimizer bit for bit; with more, to the rounding of the
-summation order. Every copy must step its optimizer each time (the broadcast is collective over
+Megatron's distributed optimizer): the D copies of a pipeline rank split its parameters between
+them evenly at row boundaries (`shard_rows`: each bucket cut into D equal runs of elements, as
+Megatron cuts each bucket's buffer; a row, a slice along dim 0, goes to the replica whose run
+holds its middle element), each builds its optimizer over its own rows only
+(`optimizer_parameters`: a parameter cut between replicas comes as a parameter viewing its rows
+of the weight), so it holds 1/D of the optimizer's state to within a row at each cut, and every
+`optimizer.step()` ends (a post-step hook) by broadcasting each replica's updated rows to the
+other copies. The optimizer must be element-wise (`ELEMENTWISE_OPTIMIZERS`): an update of some
+rows alone must be that of the whole parameter. Each bucket's gradients are summed onto the
+replica stepping each row only (a flat reduce per replica and dtype: a reduce-scatter's bytes,
+half an all-reduce's, as Megatron's distributed optimizer moves them), so after `step` a copy
+holds the summed gradients of its rows and None for a parameter with none of them;
+`clip_grad_norm_` gathers the rows' terms of the norm, totals each parameter's and then them in
+the unsharded order. With 2 replicas (a sum of two is the same in any order) the updates, and the
+whole run, are those of the unsharded optimizer bit for bit (the norm, where a parameter is cut,
+to float64 rounding); with more, to the rounding of the summation order. A checkpoint's state
+for a cut parameter is joined from the replicas' rows (`merge_state_dicts`) and cut again to
+the rows of whoever loads it (`saved_rows`). Every copy must step its optimizer each time (the broadcast is collective over
 the D copies). With `overlap_param_gather=True` (Megatron's `--overlap-param-gather`) the step
 only starts the broadcasts, one per stage, owner and dtype, and each stage's first forward of the
 next `step` (or `evaluate`) waits for its own, so they run beside the forwards before it; reading,
@@ -67,7 +73,7 @@ that reads the parameters in between. The values, and the run, are those without
 Master weights (`master_weights=True`, Megatron's `--bf16` with its fp32 main parameters): for a
 model whose weights are bf16, the optimizer steps an fp32 copy of each bf16 weight that trains
 (`optimizer_parameters()` gives the copies, built when the optimizer is attached; with
-`shard_optimizer` only this replica's share has them). Forwards, backwards, the gradients and
+`shard_optimizer` only of this replica's rows of each). Forwards, backwards, the gradients and
 their reductions stay bf16, as the weights; before the optimizer's step each copy's gradient is
 its weight's cast up (after clipping), and after it each weight is rounded from its copy, before
 a sharded state sends it on. The copies are checkpointed in the optimizer's state (`MASTER_KEY`
@@ -383,7 +389,8 @@ class Engine:
                                     "torch's GradScaler refuses fp16 gradients); pass fp32_grads=True too")
         self._masters: dict[str, nn.Parameter] = {}
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for each bf16
-        parameter that trains in this replica's share (built by `optimizer_parameters`)."""
+        parameter that trains (of this replica's rows of it, with `shard_optimizer`; built by
+        `optimizer_parameters`)."""
         self._init_masters: dict[str, Tensor] = {}
         """With `master_weights` and a checkpoint `init` that holds fp32 copies (`MASTER_KEY`):
         their values, which the copies start from instead of the weights' bf16 rounding."""
@@ -635,13 +642,14 @@ class Engine:
 
     def master_parameters(self) -> dict[str, nn.Parameter]:
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for this
-        replica's bf16 parameters that train (empty before an optimizer is attached)."""
+        replica's bf16 parameters that train (with `shard_optimizer`, of its rows of each:
+        `shard_rows`; empty before an optimizer is attached)."""
         return dict(self._masters)
 
     def main_grads(self) -> dict[str, Tensor]:
         """With `fp32_grads`: original name -> the fp32 gradient of each bf16 parameter that
         trains on this rank and has one (after `step`: summed over the microbatches and, with
-        replicas, over them, this replica's share only with `shard_optimizer`), as Megatron keeps
+        replicas, over them: with `shard_optimizer` only this replica's rows, `shard_rows`), as Megatron keeps
         it in `param.main_grad`; the parameters' `.grad` stay None. Empty without `fp32_grads`."""
         return dict(self._main_grads)
 
