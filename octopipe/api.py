@@ -744,8 +744,9 @@ class Pipeline:
         options.setdefault("batch_specs", self.batch_specs)
         options.setdefault("shard_optimizer", self.shard_optimizer)
         options.setdefault("overlap_param_gather", self.overlap_param_gather)
+        if "master_weights" not in options:  # (master_weights given here: fp32_grads defaults to it)
+            options.setdefault("fp32_grads", self.fp32_grads)
         options.setdefault("master_weights", self.master_weights)
-        options.setdefault("fp32_grads", self.fp32_grads)
         stage_rank = rank // self.data_parallel
         return Engine(rank, self.world_size, stages_on(self.stages, self.plan, stage_rank), self.programs[stage_rank],
                       self.num_microbatches, **options)
@@ -931,7 +932,7 @@ def compile(
     shard_optimizer: bool = False,
     overlap_param_gather: bool = False,
     master_weights: bool = False,
-    fp32_grads: bool = False,
+    fp32_grads: bool | None = None,
 ) -> Pipeline:
     """Trace `model`, cost it, plan it (or take `plan=` / `schedule=`), cut it into stages and
     lower the plan to per-rank programs, verified before anything runs.
@@ -1003,8 +1004,9 @@ def compile(
     taken too, with fp32_grads: every engine then scales the loss dynamically (`runtime/amp.py`'s
     `LossScaler`, GradScaler's rule and defaults, as under autocast="fp16"), unscales the fp32
     gradients and skips the step on an inf or nan anywhere.
-    fp32_grads (with master_weights; Megatron's `--accumulate-allreduce-grads-in-fp32`, its
-    default under `--bf16`): every engine accumulates the bf16 weights' gradients over the
+    fp32_grads (with master_weights, and by default there: Megatron's
+    `--accumulate-allreduce-grads-in-fp32`, its default under `--bf16`; False is its
+    `--grad-reduce-in-bf16`): every engine accumulates the bf16 weights' gradients over the
     microbatches in fp32, sums them across ranks (tied copies, replicas) and clips them in fp32,
     and the copies step them as they are (`Engine.main_grads()`); the memory counts 4 bytes of
     gradient a weight (the default state: mixed-precision Adam's 18 bytes a weight, not 16) and
@@ -1032,8 +1034,11 @@ def compile(
         raise ArgumentError(f"compile: overlap_param_gather must be True or False, got {overlap_param_gather!r:.40}")
     if not isinstance(master_weights, bool):
         raise ArgumentError(f"compile: master_weights must be True or False, got {master_weights!r:.40}")
+    if fp32_grads is None:  # Megatron's default: fp32 gradients wherever there are master copies
+        fp32_grads = master_weights
     if not isinstance(fp32_grads, bool):
-        raise ArgumentError(f"compile: fp32_grads must be True or False, got {fp32_grads!r:.40}")
+        raise ArgumentError(f"compile: fp32_grads must be True, False or None (default: master_weights), got "
+                            f"{fp32_grads!r:.40}")
     if fp32_grads and not master_weights:
         raise ArgumentError("compile: fp32_grads=True accumulates the bf16 weights' gradients in fp32 for their fp32 "
                             "master copies, but master_weights is False; pass master_weights=True too (with "

@@ -155,8 +155,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   warmup: int, learning_rate: float, probes: Sequence[bool] = (), rewarm: bool = False,
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
-                  resume: str | None = None, save: str | None = None, save_every: int | None = None
-                  ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
+                  resume: str | None = None, save: str | None = None, save_every: int | None = None,
+                  save_sharded: bool = False) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     from octopipe.runtime.amp import LossScaler
@@ -208,7 +208,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             elapsed = (time.perf_counter() - start) * 1e3
             after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
             if save and step >= warmup and saves_after(step - warmup + 1, steps, save_every):
-                engine.save_checkpoint(save_path(save, step - warmup + 1))  # (collective; outside the timed span)
+                # (collective; outside the timed span)
+                engine.save_checkpoint(save_path(save, step - warmup + 1), sharded=save_sharded)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -243,7 +244,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
-                  save: str | None = None, save_every: int | None = None) -> StepTiming:
+                  save: str | None = None, save_every: int | None = None, save_sharded: bool = False) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -257,10 +258,11 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     optimizer's too), loaded before the first step; `save`: where to write the engines'
     checkpoint after the last (`Engine.save_checkpoint`), and with `save_every` = N after every
     N-th timed step too (each write replaces the file, atomically; a `{step}` in `save` is
-    replaced by the steps done, for a file per save: `save_path`)."""
+    replaced by the steps done, for a file per save: `save_path`); `save_sharded`: each save a
+    directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
-                    resume=resume, save=save, save_every=save_every)[0][0]
+                    resume=resume, save=save, save_every=save_every, save_sharded=save_sharded)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -307,7 +309,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
-             save_every: int | None = None) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
+             save_every: int | None = None, save_sharded: bool = False
+             ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
     None without `link` or with one process)."""
@@ -320,7 +323,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
-                                                        save_every),
+                                                        save_every, save_sharded),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -805,8 +805,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import torch
-
     import octopipe
     from octopipe.bench import measure_steps, save_path
     from octopipe.errors import ExecutionError, OctopipeError
@@ -821,9 +819,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.init:
         raise OctopipeError("train: give --init CHECKPOINT (its weights) or --resume CHECKPOINT (the whole state, "
                             "the optimizer's too), not both")
-    if args.resume and not args.torchrun and not os.path.isfile(args.resume):  # (printed: the cluster's path)
-        raise OctopipeError(f"train --resume {args.resume}: no such file; give a checkpoint train --save wrote (or "
-                            "Engine.save_checkpoint)")
+    if args.resume and not args.torchrun and not os.path.exists(args.resume):  # (printed: the cluster's path)
+        raise OctopipeError(f"train --resume {args.resume}: no such file or directory; give a checkpoint train --save "
+                            "wrote (or Engine.save_checkpoint)")
+    if args.save_sharded and not args.save:
+        raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
     given = [flag for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None]
     if given and not (args.fp16_weights or args.autocast == "fp16"):
         raise OctopipeError(f"train {given[0]}: only fp16 scales its loss; give --fp16-weights or --autocast fp16 too")
@@ -870,7 +870,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from octopipe.runtime.materialize import checkpoint_state
 
         try:
-            load_into_model(model, checkpoint_state(args.init, torch.device("cpu"), 0))  # type: ignore[arg-type]
+            load_into_model(model, checkpoint_state(args.init, 0))  # type: ignore[arg-type]
         except ExecutionError as exc:  # a bad file given on the command line, not a failed run
             raise OctopipeError(f"--init {args.init}: {exc}") from None
     costs: Any = "analytic"
@@ -898,15 +898,16 @@ def cmd_train(args: argparse.Namespace) -> int:
               "accumulated, unscaled, summed and clipped in fp32 (--fp16-weights)")
     elif pipe.master_weights:
         print("bf16 weights; the optimizer steps fp32 copies of them (--bf16-weights); "
-              + ("the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" if pipe.fp32_grads else
-                 "bf16 gradients"))
+              + ("the gradients accumulated, summed and clipped in fp32" if pipe.fp32_grads else
+                 "bf16 gradients (--grad-reduce-in-bf16)"))
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
     # with master weights the engines also start their fp32 copies from the checkpoint's
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
-                           resume=args.resume, save=args.save, save_every=args.save_interval)
+                           resume=args.resume, save=args.save, save_every=args.save_interval,
+                           save_sharded=args.save_sharded)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
@@ -964,7 +965,10 @@ import torch)."""
 def _check_state_flags(args: argparse.Namespace, command: str, replicas: str) -> None:
     """`--overlap-param-gather` without `--shard-optimizer` has nothing to overlap, and
     `--fp32-grads` without `--bf16-weights` no fp32 copies to step: refuse them (and
-    `--bf16-weights` with `--fp16-weights`). `--fp16-weights` sets `--fp32-grads`, which it needs."""
+    `--bf16-weights` with `--fp16-weights`, `--grad-reduce-in-bf16` with `--fp32-grads`, with
+    `--fp16-weights` or without `--bf16-weights`). `--fp16-weights` sets `--fp32-grads`, which it
+    needs, and `--bf16-weights` does unless `--grad-reduce-in-bf16` is given (Megatron's default
+    and its opt-out)."""
     from octopipe.errors import OctopipeError
 
     if args.overlap_param_gather and not args.shard_optimizer:
@@ -973,7 +977,19 @@ def _check_state_flags(args: argparse.Namespace, command: str, replicas: str) ->
     if getattr(args, "fp16_weights", False):
         if args.bf16_weights:
             raise OctopipeError(f"{command}: give --bf16-weights or --fp16-weights, not both")
+        if args.grad_reduce_in_bf16:
+            raise OctopipeError(f"{command} --grad-reduce-in-bf16: fp16 weights' loss-scaled gradients are accumulated "
+                                "and unscaled in fp32 (fp16 would flush the small ones to zero); leave it out, or "
+                                "train bf16 weights (--bf16-weights)")
         args.fp32_grads = True  # (fp16 weights' loss-scaled gradients are accumulated and unscaled in fp32)
+    if args.grad_reduce_in_bf16:
+        if not args.bf16_weights:
+            raise OctopipeError(f"{command} --grad-reduce-in-bf16: it keeps the gradients of bf16 weights in bf16 "
+                                "(their fp32 copies take them cast up); give --bf16-weights too")
+        if args.fp32_grads:
+            raise OctopipeError(f"{command}: give --fp32-grads or --grad-reduce-in-bf16, not both")
+    elif args.bf16_weights:
+        args.fp32_grads = True  # (Megatron's default under --bf16: the gradients accumulated and reduced in fp32)
     mixed = command == "plan" and args.optimizer == "mixed-adam"  # (mixed-adam's copies are fp32 already)
     if args.fp32_grads and not _master_weights(args) and not mixed:
         raise OctopipeError(f"{command} --fp32-grads: it accumulates the gradients of bf16 weights in fp32 for their "
@@ -1188,7 +1204,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                   + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
                      if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
         if _saves_at(args, step):
-            engine.save_checkpoint(save_path(args.save, step + 1))  # (collective: gathered to rank 0, which writes it)
+            # (collective: gathered to rank 0, which writes it; or each rank's own shard)
+            engine.save_checkpoint(save_path(args.save, step + 1), sharded=args.save_sharded)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
@@ -1261,7 +1278,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += [flag for flag, on in (("--shard-optimizer", args.shard_optimizer),
                                     ("--overlap-param-gather", args.overlap_param_gather),
                                     ("--bf16-weights", args.bf16_weights), ("--fp16-weights", args.fp16_weights),
-                                    ("--fp32-grads", args.fp32_grads and not args.fp16_weights),
+                                    ("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
+                                    ("--save-sharded", args.save_sharded),
                                     ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
@@ -1451,10 +1469,13 @@ def _parser() -> argparse.ArgumentParser:
                         "--bf16-weights, Megatron's --bf16): --optimizer's memory counts the copies and its state in "
                         "fp32 (a --model is cast to bf16 first)")
     p.add_argument("--fp32-grads", action="store_true",
-                   help="with --bf16-weights (or the default mixed-adam): the gradients are fp32, as train "
-                        "--fp32-grads runs them (Megatron's --accumulate-allreduce-grads-in-fp32): 4 bytes a weight "
-                        "in memory (mixed-adam 18 bytes a weight, not 16) and twice the bytes in every gradient "
-                        "reduction")
+                   help="with the default mixed-adam: the gradients are fp32 (Megatron's "
+                        "--accumulate-allreduce-grads-in-fp32): 4 bytes a weight in memory (mixed-adam 18 bytes a "
+                        "weight, not 16) and twice the bytes in every gradient reduction; --bf16-weights implies it "
+                        "unless --grad-reduce-in-bf16 is given")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16-weights: the gradients stay bf16, as train --grad-reduce-in-bf16 runs them "
+                        "(Megatron's flag of that name)")
     p.add_argument("--fp16-weights", action="store_true",
                    help="the job trains fp16 weights with fp32 copies and fp32 gradients (train --fp16-weights, "
                         "Megatron's --fp16): the memory of --bf16-weights --fp32-grads (a --model is cast to fp16 "
@@ -1532,14 +1553,19 @@ def _parser() -> argparse.ArgumentParser:
                         "the same updates, and the plan prices it so")
     p.add_argument("--bf16-weights", action="store_true",
                    help="train the model's weights in bf16, the optimizer stepping fp32 copies of them (Megatron's "
-                        "--bf16): forwards, backwards and gradients in bf16, each weight rounded from its copy after "
+                        "--bf16): forwards and backwards in bf16, the gradients accumulated and summed in fp32 "
+                        "(--fp32-grads, unless --grad-reduce-in-bf16), each weight rounded from its copy after "
                         "the step; the plan's memory counts the copies (--init loads the weights, rounded to bf16, and "
                         "starts the copies from the checkpoint's fp32 ones where it holds them)")
     p.add_argument("--fp32-grads", action="store_true",
-                   help="with --bf16-weights: accumulate the gradients over the microbatches, sum them over the "
-                        "ranks and clip them in fp32, the copies stepping them as they are (Megatron's "
+                   help="with --bf16-weights, which implies it: accumulate the gradients over the microbatches, sum "
+                        "them over the ranks and clip them in fp32, the copies stepping them as they are (Megatron's "
                         "--accumulate-allreduce-grads-in-fp32, its default under --bf16); the plan counts 4 bytes "
                         "a weight of gradient and prices the fp32 sums")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16-weights: accumulate, sum and clip the gradients in bf16 instead, the copies "
+                        "taking them cast up (Megatron's --grad-reduce-in-bf16): 2 bytes a weight less, half the "
+                        "bytes in every gradient reduction, the low bits of each microbatch's gradient lost")
     p.add_argument("--fp16-weights", action="store_true",
                    help="train the model's weights in fp16, the optimizer stepping fp32 copies of them (Megatron's "
                         "--fp16): the loss scaled dynamically (GradScaler's rule, across ranks), the gradients "
@@ -1568,7 +1594,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="CHECKPOINT", default=None,
                    help="after the last step, write the engines' checkpoint there (Megatron's --save): the weights by "
                         "the model's names, the optimizer's state, fp32 copies, loss scale and dropout streams, "
-                        "gathered to rank 0")
+                        "gathered to rank 0 (--save-sharded: a directory of a file per rank)")
+    p.add_argument("--save-sharded", action="store_true",
+                   help="with --save: write a directory where every rank writes its own shard and rank 0 an index, "
+                        "nothing gathered (as Megatron's ranks write their own files): for models whose state does "
+                        "not fit one process; --resume and --init read either kind, on any plan or rank count")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "

@@ -772,28 +772,33 @@ def test_train_with_data_parallel_replicas(capsys):
 @pytest.mark.timeout(300)
 def test_train_bf16_weights_with_fp32_copies(capsys):
     # Megatron's --bf16: the weights in bf16, the optimizer stepping fp32 copies, sharded too
+    # (bf16 gradients: Megatron's --grad-reduce-in-bf16)
     assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
-                 "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+                 "--grad-reduce-in-bf16", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "the optimizer steps fp32 copies of them (--bf16-weights); bf16 gradients" in out
+    assert "the optimizer steps fp32 copies of them (--bf16-weights); bf16 gradients (--grad-reduce-in-bf16)" in out
     losses = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] < losses[0]
     assert main(["train", "--model", "llama", "--data-parallel", "2", "--steps", "3", "--optimizer", "adamw",
-                 "--bf16-weights", "--shard-optimizer", "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+                 "--bf16-weights", "--grad-reduce-in-bf16", "--shard-optimizer", "--schedule", "1f1b",
+                 "--quiet"]) == EXIT_OK
     # every replica trains on the same batch here: one pipeline's losses (each replica's gradients
     # are weighed 1/2, exactly, and the two halves sum exactly). Stop 44's local train without
     # --shard-optimizer stepped the bf16 weights themselves, and its losses differed from these
     sharded = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", capsys.readouterr().out, re.MULTILINE)]
     assert sharded == losses
-    # fp32 gradients (Megatron's default under --bf16): the same across replicas and sharding
+    # fp32 gradients (Megatron's default under --bf16, and --bf16-weights' here; --fp32-grads says
+    # so): the same across replicas and sharding
     runs = []
-    for replicas in ([], ["--data-parallel", "2", "--shard-optimizer"]):
+    for replicas in ([], ["--fp32-grads", "--data-parallel", "2", "--shard-optimizer"]):
         assert main(["train", "--model", "llama", "--steps", "3", "--optimizer", "adamw", "--bf16-weights",
-                     "--fp32-grads", "--schedule", "1f1b", "--quiet", *replicas]) == EXIT_OK
+                     "--schedule", "1f1b", "--quiet", *replicas]) == EXIT_OK
         out = capsys.readouterr().out
-        assert "the gradients accumulated, summed and clipped in fp32 (--fp32-grads)" in out
+        assert "the optimizer steps fp32 copies of them (--bf16-weights); the gradients accumulated, summed and " \
+               "clipped in fp32" in out
         runs.append([float(x) for x in re.findall(r"^step \d: loss ([\d.]+)", out, re.MULTILINE)])
     assert len(runs[0]) == 3 and runs[0] == runs[1] and runs[0][0] == losses[0]
+    assert runs[0][1:] != losses[1:]  # (the bf16 sums of the microbatches' gradients round otherwise)
     # Megatron's --fp16: fp16 weights, the loss scaled, fp32 gradients and copies
     runs = []
     for replicas in ([], ["--data-parallel", "2", "--shard-optimizer"]):
@@ -843,7 +848,14 @@ def test_train_bf16_weights_with_fp32_copies(capsys):
     assert main(["train", "--model", "llama", "--bf16-weights", "--torchrun"]) == EXIT_OK
     assert capsys.readouterr().out.rstrip().endswith("--bf16-weights")
     assert main(["train", "--model", "llama", "--bf16-weights", "--fp32-grads", "--torchrun"]) == EXIT_OK
-    assert capsys.readouterr().out.rstrip().endswith("--bf16-weights --fp32-grads")
+    assert capsys.readouterr().out.rstrip().endswith("--bf16-weights")  # (implied there)
+    assert main(["train", "--model", "llama", "--bf16-weights", "--grad-reduce-in-bf16", "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--bf16-weights --grad-reduce-in-bf16")
+    for flags, error in ((["--grad-reduce-in-bf16"], "give --bf16-weights too"),
+                         (["--fp16-weights", "--grad-reduce-in-bf16"], "fp16 weights' loss-scaled gradients"),
+                         (["--bf16-weights", "--fp32-grads", "--grad-reduce-in-bf16"], "not both")):
+        assert main(["train", "--model", "llama", *flags, "--torchrun"]) == EXIT_ERROR
+        assert "--grad-reduce-in-bf16" in (err := capsys.readouterr().err) and error in err, flags
 
 
 def test_plan_one_data_parallel_replica_and_train_it_on_its_copies(tmp_path, capsys):
@@ -1209,7 +1221,7 @@ def test_dropout_factory_trains_the_same_steps_locally_and_under_torchrun(tmp_pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights", "--fp32-grads"],
+@pytest.mark.parametrize("extra", [[], ["--overlap-param-gather", "--bf16-weights"],
                                    ["--fp16-weights", "--initial-loss-scale", "262144"]])
 def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, capsys, extra):
     # 2 ranks: one-rank pipelines, 2 replicas, each stepping half of AdamW's state and sending it
@@ -1255,18 +1267,30 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert saved == whole[:3] and sorted(p.name for p in tmp_path.glob("c-*.pt")) == ["c-2.pt", "c-3.pt"]
     assert f"step 1: loss {whole[1]}" in out and f"(saved to {tmp_path / 'c-2.pt'})" in out
     assert losses("--steps", "2", "--resume", str(tmp_path / "c-2.pt"))[0] == whole[2:]
+    # sharded (--save-sharded: a directory, a file per rank, nothing gathered), locally and from the
+    # torchrun path, resumed on other plans
+    first, out = losses("--steps", "2", "--save", str(tmp_path / "d"), "--save-sharded", "--data-parallel", "2",
+                        "--shard-optimizer")
+    assert first == whole[:2] and len(list((tmp_path / "d").glob("shard-*.pt"))) == 4
+    assert losses("--steps", "2", "--resume", str(tmp_path / "d"))[0] == whole[2:]
     proc = _torchrun(["train", "--model", "llama", "--nprocs", "2", "--optimizer", "adamw", "--lr", "0.01",
-                      "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b-{step}.pt"),
-                      "--save-interval", "1"], tmp_path)
+                      "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b-{step}"),
+                      "--save-interval", "1", "--save-sharded"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == whole[:2]
-    assert sorted(p.name for p in tmp_path.glob("b-*.pt")) == ["b-1.pt", "b-2.pt"]
-    assert losses("--steps", "3", "--resume", str(tmp_path / "b-1.pt"))[0] == whole[1:]
+    assert sorted(p.name for p in tmp_path.glob("b-*")) == ["b-1", "b-2"]
+    assert len(list((tmp_path / "b-1").glob("shard-*.pt"))) == 2
+    assert losses("--steps", "3", "--resume", str(tmp_path / "b-1"))[0] == whole[1:]
     assert main([*words, "--init", str(tmp_path / "a.pt"), "--resume", str(tmp_path / "a.pt")]) == EXIT_ERROR
     assert "not both" in capsys.readouterr().err
     assert main([*words, "--resume", str(tmp_path / "none.pt")]) == EXIT_ERROR
     assert "no such file" in capsys.readouterr().err
     assert main([*words, "--save-interval", "2"]) == EXIT_ERROR
     assert "give --save PATH too" in capsys.readouterr().err
+    assert main([*words, "--save-sharded"]) == EXIT_ERROR
+    assert "give --save DIRECTORY too" in capsys.readouterr().err
     assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--save-interval", "5", "--torchrun"]) == EXIT_OK
     assert "--resume a.pt --save b.pt --save-interval 5" in capsys.readouterr().out
+    assert main([*words, "--save", "b", "--save-sharded", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--save b " in line and "--save-sharded" in line

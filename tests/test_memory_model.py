@@ -158,12 +158,13 @@ def test_plan_with_a_model_sizes_the_optimizers_state_from_its_weights(tmp_path,
                  "--optimizer", "sgd", "--quiet", "--time-limit", "5", "--no-solver", "-o", str(path)]) == EXIT_OK
     assert load_saved_plan(path).memory.state_bytes_per_param_byte == pytest.approx(4.0)
     # sharded AdamW over 2 replicas: fp32 weights keep 8 bytes a weight and split their moments
-    # (8 + 8/2 = 12, 6 per counted byte); bf16 weights with fp32 copies (train --bf16-weights)
-    # keep 4 and split the copy and moments (4 + 12/2 = 10, 5 per counted byte); with fp32
-    # gradients (train --fp32-grads) 6 (2 + 4) and the same split (12, 6 per counted byte), the
-    # reductions summing 2 bytes per counted byte
-    for flags, state, grad in (([], 6.0, 1.0), (["--bf16-weights"], 5.0, 1.0),
-                               (["--bf16-weights", "--fp32-grads"], 6.0, 2.0), (["--fp16-weights"], 6.0, 2.0)):
+    # (8 + 8/2 = 12, 6 per counted byte); bf16 weights with fp32 copies and bf16 gradients
+    # (train --bf16-weights --grad-reduce-in-bf16) keep 4 and split the copy and moments (4 +
+    # 12/2 = 10, 5 per counted byte); with fp32 gradients (--bf16-weights' default) 6 (2 + 4) and
+    # the same split (12, 6 per counted byte), the reductions summing 2 bytes per counted byte
+    for flags, state, grad in (([], 6.0, 1.0), (["--bf16-weights", "--grad-reduce-in-bf16"], 5.0, 1.0),
+                               (["--bf16-weights"], 6.0, 2.0), (["--bf16-weights", "--fp32-grads"], 6.0, 2.0),
+                               (["--fp16-weights"], 6.0, 2.0)):
         assert main(["plan", "--model", "gemma", "--size", "tiny", "--cluster", "cpux4", "--microbatches", "4",
                      "--data-parallel", "2", "--shard-optimizer", "--optimizer", "adamw", "--quiet", "--time-limit",
                      "5", "--no-solver", "-o", str(path), *flags]) == EXIT_OK

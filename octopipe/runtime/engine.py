@@ -80,8 +80,9 @@ a sharded state sends it on. The copies are checkpointed in the optimizer's stat
 beside each entry) and restored by `load_state_dict`; where a checkpoint has none the copies take
 the loaded weights. Memory: the bf16 weight and gradient plus the fp32 copy and the optimizer's
 fp32 state (`MemoryModel.for_optimizer(..., master_weights=True)`; mixed-adam is this with Adam).
-With `fp32_grads=True` too (Megatron's `--accumulate-allreduce-grads-in-fp32`, its default under
-`--bf16`), every backward instruction adds what it left in the bf16 weights' `.grad` into an fp32
+With `fp32_grads` (the default with master weights since stop 46, as Megatron's
+`--accumulate-allreduce-grads-in-fp32` is under `--bf16`; `fp32_grads=False` is its
+`--grad-reduce-in-bf16`), every backward instruction adds what it left in the bf16 weights' `.grad` into an fp32
 gradient and clears `.grad` (as Megatron's hook adds it to `main_grad`): the microbatches' sum, the
 tied and data-parallel reductions, clipping and the copies' step all take the fp32 gradients
 (`main_grads()`), 4 bytes a weight (`MemoryModel.for_optimizer(..., fp32_grads=True)`).
@@ -98,8 +99,11 @@ rank counts and the plain model: `state_dict()` is this rank's shard {"model": {
 "optimizer": {"state": {name: ...}, "param_groups": [{..., "params": [names]}]}};
 `merge_state_dicts(shards)` unions shards; `gather_state_dict()` does that on rank 0 (collective);
 `load_state_dict(full_or_shard)` takes what this rank holds; `save_checkpoint(path)` gathers to
-rank 0 and writes atomically (temporary file, fsync, os.replace), `load_checkpoint(path)` reads it
-on every rank; `load_into_model` / `load_optimizer_state` put a merged state into a plain model.
+rank 0 and writes atomically (temporary file, fsync, os.replace), `save_checkpoint(path,
+sharded=True)` has every rank write its own shard into directory `path` and rank 0 an index
+(`SHARDED_INDEX`), `load_checkpoint(path)` reads either on every rank (memory-mapped, a
+directory's shards merged); `load_into_model` / `load_optimizer_state` put a merged state into a
+plain model.
 """
 
 from __future__ import annotations
@@ -268,7 +272,7 @@ class Engine:
         shard_optimizer: bool = False,
         overlap_param_gather: bool = False,
         master_weights: bool = False,
-        fp32_grads: bool = False,
+        fp32_grads: bool | None = None,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -294,7 +298,7 @@ class Engine:
         docstring). `master_weights` (Megatron's `--bf16`): the optimizer steps an fp32 copy of
         each bf16 parameter (of this replica's share, with `shard_optimizer`), given the bf16
         gradients cast up, and the bf16 weights are set from it after each step (see the module
-        docstring). `fp32_grads` (with `master_weights`, Megatron's
+        docstring). `fp32_grads` (with `master_weights`, and by default there: Megatron's
         `--accumulate-allreduce-grads-in-fp32`): the bf16 parameters' gradients are accumulated
         over the microbatches, summed across ranks and clipped in fp32 (`main_grads()`), and the
         master copies step them as they are."""
@@ -309,8 +313,11 @@ class Engine:
                                 "False")
         if not isinstance(master_weights, bool):
             raise ArgumentError(f"rank {rank}: Engine(master_weights={master_weights!r}): must be True or False")
+        if fp32_grads is None:  # (Megatron's default: fp32 gradients wherever there are master copies)
+            fp32_grads = master_weights
         if not isinstance(fp32_grads, bool):
-            raise ArgumentError(f"rank {rank}: Engine(fp32_grads={fp32_grads!r}): must be True or False")
+            raise ArgumentError(f"rank {rank}: Engine(fp32_grads={fp32_grads!r}): must be True, False or None (default: "
+                                "master_weights)")
         if fp32_grads and not master_weights:
             raise ArgumentError(f"rank {rank}: Engine(fp32_grads=True) accumulates the bf16 weights' gradients in "
                                 "fp32 for their fp32 master copies, but master_weights is False (the optimizer "
@@ -352,7 +359,7 @@ class Engine:
         first = next((p for s in stages for p in s.module.parameters()), None)
         self.device = _engine_device(device, first, rank)
         # with master_weights a checkpoint is read once, for the weights here and the copies below
-        loaded = (checkpoint_state(init, torch.device("cpu"), rank)
+        loaded = (checkpoint_state(init, rank)
                   if master_weights and init is not None and is_checkpoint(init) else None)
         materialize(stages, self.device, init if loaded is None else loaded, rank)
         self._random = {index: _stage_stream(index, self.device) for index in self.stages}
@@ -1507,17 +1514,23 @@ class Engine:
                     self._random[index] = (cpu_state.cpu(), cuda_state.cpu() if cuda_state is not None and
                                            keep_cuda is not None else keep_cuda)
 
+    def _own_shard(self) -> dict[str, Any]:
+        """What this rank adds to the merged state: with replicas, replica 0's ranks their whole
+        state; the others their dropout streams, and with `shard_optimizer` their rows of the
+        optimizer's state (the rest they hold equal to replica 0's)."""
+        self.finish_param_sync()
+        if self.replicas.replica == 0:
+            return self.state_dict()
+        shard: dict[str, Any] = {"model": {}, "random": self._streams()}
+        if self.shard_optimizer and self.optimizer is not None:
+            shard["optimizer"] = self._named_optimizer_state()
+        return shard
+
     def gather_state_dict(self, dst: int = 0) -> dict[str, Any] | None:
         """Collective: the merged state of all ranks on rank `dst` (None elsewhere). With
         replicas, replica 0's ranks hold it all; the others send only their dropout streams, and
         with `shard_optimizer` their share of the optimizer's state."""
-        self.finish_param_sync()
-        if self.replicas.replica == 0:
-            shard = self.state_dict()
-        else:
-            shard = {"model": {}, "random": self._streams()}
-            if self.shard_optimizer and self.optimizer is not None:
-                shard["optimizer"] = self._named_optimizer_state()
+        shard = self._own_shard()
         if self.world_size == 1 or not dist.is_initialized():
             return merge_state_dicts([shard])
         cpu_shard = _to_cpu(shard)
@@ -1525,8 +1538,20 @@ class Engine:
         dist.gather_object(cpu_shard, shards, dst=dst)
         return merge_state_dicts(shards) if shards is not None else None
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Collective: gather to rank 0, which writes `path` atomically; all ranks return after."""
+    def save_checkpoint(self, path: str | os.PathLike[str], sharded: bool = False) -> None:
+        """Collective: gather to rank 0, which writes `path` atomically; all ranks return after.
+        `sharded=True`: nothing is gathered; `path` is a directory where every rank writes its
+        own shard (`_own_shard`) and rank 0 then the index naming them (`SHARDED_INDEX`), as
+        Megatron's ranks write their own checkpoint files, so no process holds more than its own
+        state. Loading a directory (`load_checkpoint`, `init=`, `checkpoint_state`) merges its
+        shards, read memory-mapped, into the same state as the gathered file's; a directory
+        saved over again keeps the shards of the last complete save (a crash mid-save leaves
+        the index naming the previous ones) and drops the others once the new index is in."""
+        if not isinstance(sharded, bool):
+            raise ArgumentError(f"rank {self.rank}: save_checkpoint(sharded={sharded!r}): must be True or False")
+        if sharded:
+            self._save_sharded(os.fspath(path))
+            return
         state = self.gather_state_dict(0)
         error = None
         if self.rank == 0:
@@ -1545,9 +1570,59 @@ class Engine:
         if error is not None:
             raise error
 
+    def _save_sharded(self, path: str) -> None:
+        """`save_checkpoint(path, sharded=True)`."""
+        import json
+        import uuid
+
+        collective = self.world_size > 1 and dist.is_initialized()
+        token = [uuid.uuid4().hex[:12]]
+        if collective:  # (one name for the save, rank 0's, so the index can tell its shards from older ones)
+            dist.broadcast_object_list(token, src=0)
+        name = f"shard-{token[0]}-rank{self.rank:05d}-of{self.world_size:05d}.pt"
+        error: BaseException | None = None
+        try:
+            shard = _to_cpu(self._own_shard())
+            os.makedirs(path, exist_ok=True)
+            atomic_save(shard, os.path.join(path, name))
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then raises
+            error = exc
+        failed = [error is not None] * self.world_size
+        if collective:
+            dist.all_gather_object(failed, error is not None)
+        if any(failed) and error is None:
+            raise ExecutionError(f"rank {self.rank}: sharded checkpoint save to {path!r} failed on rank(s) "
+                                 f"{[r for r, f in enumerate(failed) if f]}; the directory keeps its last complete save")
+        if error is not None:
+            why = error.strerror if isinstance(error, OSError) and error.strerror else error
+            raise ExecutionError(f"rank {self.rank}: cannot write checkpoint shard {os.path.join(path, name)!r}: {why}; "
+                                 "give a directory that can be created and written") from None
+        index_error = None
+        if self.rank == 0:  # the index last: it names a complete save
+            files = [f"shard-{token[0]}-rank{rank:05d}-of{self.world_size:05d}.pt" for rank in range(self.world_size)]
+            try:
+                temporary = os.path.join(path, f".{SHARDED_INDEX}.tmp-{os.getpid()}")
+                with open(temporary, "w", encoding="utf-8") as handle:
+                    json.dump({"format": SHARDED_FORMAT, "world_size": self.world_size, "files": files}, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temporary, os.path.join(path, SHARDED_INDEX))
+                for old in os.listdir(path):  # an earlier save's shards
+                    if old.startswith("shard-") and old.endswith(".pt") and old not in files:
+                        os.remove(os.path.join(path, old))
+            except OSError as exc:
+                index_error = exc.strerror or str(exc)
+        flag = [index_error]
+        if collective:
+            dist.broadcast_object_list(flag, src=0)
+        if flag[0] is not None:
+            raise ExecutionError(f"rank {self.rank}: sharded checkpoint {path!r}: rank 0 could not write its index "
+                                 f"({flag[0]}); the directory keeps its last complete save")
+
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Load a checkpoint written by `save_checkpoint` (every rank reads the entries it holds)."""
-        state = checkpoint_state(os.fspath(path), self.device, self.rank)
+        """Load a checkpoint written by `save_checkpoint`, a file or a sharded directory (every
+        rank reads the entries it holds; any plan, rank or replica count)."""
+        state = checkpoint_state(os.fspath(path), self.rank)
         self.load_state_dict(state)
 
 
@@ -1632,6 +1707,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
         raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
     optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
 
+
+SHARDED_INDEX = "octopipe-checkpoint.json"
+"""The index file of a sharded checkpoint's directory (`Engine.save_checkpoint(path,
+sharded=True)`): {"format": SHARDED_FORMAT, "world_size": N, "files": [one shard per rank]}."""
+
+SHARDED_FORMAT = "octopipe sharded checkpoint 1"
 
 ROWS_KEY = "rows"
 """Where a sharded engine's named optimizer state marks an entry that holds some rows of its

@@ -108,9 +108,11 @@ def is_checkpoint(init: Init) -> bool:
     return isinstance(init, (Mapping, os.PathLike)) or (isinstance(init, str) and init != "reset")
 
 
-def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str, Any] | None:
+def checkpoint_state(init: Init, rank: int) -> Mapping[str, Any] | None:
     """The state dict `init` names ({"model": {name: tensor}} as `Engine.load_state_dict` takes
-    it), or None when `init` is a function or "reset"."""
+    it), or None when `init` is a function or "reset". A path is a checkpoint file or a sharded
+    checkpoint's directory, read on the CPU, memory-mapped: whoever loads it copies out only the
+    tensors it holds."""
     if not is_checkpoint(init):
         return None
     if isinstance(init, Mapping):
@@ -120,19 +122,64 @@ def checkpoint_state(init: Init, device: torch.device, rank: int) -> Mapping[str
         if not os.path.exists(path):
             raise ExecutionError(f"rank {rank}: init checkpoint {path!r} does not exist; give the path of a "
                                  "checkpoint (Engine.save_checkpoint or torch.save(model.state_dict(), path))")
-        try:
-            state = torch.load(path, map_location=device, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds (pickle, zip, EOF) on a bad file
-            # torch's own text may advise weights_only=False (running the file's pickled code): not ours to pass on
-            why = ("it holds more than tensors and plain containers; checkpoints are read with "
-                   "weights_only=True, so no pickled code runs" if "weights_only" in str(exc)
-                   else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
-            raise ExecutionError(f"rank {rank}: init checkpoint {path!r} is not a torch checkpoint of tensors "
-                                 f"({why}); give a file written by Engine.save_checkpoint or "
-                                 "torch.save(model.state_dict(), path)") from None
+        state = _read_sharded(path, rank) if os.path.isdir(path) else _read_file(path, rank)
     if not isinstance(state, Mapping):
         raise ExecutionError(f"rank {rank}: init checkpoint is a {type(state).__name__}, not a state dict")
     return state if isinstance(state.get("model"), Mapping) else {"model": state}
+
+
+def _read_file(path: str, rank: int) -> Any:
+    """A checkpoint file's contents, memory-mapped on the CPU where torch can (its zip format),
+    so a rank reads only the tensors it copies out (and none lands on a GPU whole)."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # (torch's legacy format)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds (pickle, zip, EOF) on a bad file
+        # torch's own text may advise weights_only=False (running the file's pickled code): not ours to pass on
+        why = ("it holds more than tensors and plain containers; checkpoints are read with "
+               "weights_only=True, so no pickled code runs" if "weights_only" in str(exc)
+               else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        raise ExecutionError(f"rank {rank}: init checkpoint {path!r} is not a torch checkpoint of tensors "
+                             f"({why}); give a file written by Engine.save_checkpoint or "
+                             "torch.save(model.state_dict(), path)") from None
+
+
+def _read_sharded(path: str, rank: int) -> Any:
+    """A sharded checkpoint's directory (`Engine.save_checkpoint(path, sharded=True)`): its
+    index's shards, each read as a file, merged into one state (`merge_state_dicts`)."""
+    import json
+
+    from octopipe.runtime.engine import SHARDED_FORMAT, SHARDED_INDEX, merge_state_dicts
+
+    index_path = os.path.join(path, SHARDED_INDEX)
+    try:
+        with open(index_path, encoding="utf-8") as handle:
+            index = json.load(handle)
+    except FileNotFoundError:
+        raise ExecutionError(f"rank {rank}: checkpoint {path!r} is a directory without {SHARDED_INDEX}: not a sharded "
+                             "checkpoint (Engine.save_checkpoint(path, sharded=True), train --save-sharded), or "
+                             "one whose save did not finish; give a checkpoint file or a complete directory") from None
+    except (OSError, ValueError) as exc:
+        raise ExecutionError(f"rank {rank}: checkpoint {path!r}: cannot read its index {SHARDED_INDEX} ({exc})") from None
+    files = index.get("files") if isinstance(index, dict) else None
+    if (not isinstance(index, dict) or index.get("format") != SHARDED_FORMAT or not isinstance(files, list)
+            or not all(isinstance(name, str) and os.path.basename(name) == name for name in files)):
+        raise ExecutionError(f"rank {rank}: checkpoint {path!r}: its {SHARDED_INDEX} is not an index of "
+                             f"{SHARDED_FORMAT!r} (format, world_size and a list of file names); give a directory "
+                             "Engine.save_checkpoint(path, sharded=True) wrote")
+    shards = []
+    for name in files:
+        shard = _read_file(os.path.join(path, name), rank) if os.path.isfile(os.path.join(path, name)) else None
+        if not isinstance(shard, Mapping) or not isinstance(shard.get("model"), Mapping):
+            raise ExecutionError(f"rank {rank}: checkpoint {path!r}: its index names {name!r}, which is "
+                                 + ("missing" if shard is None else "not a shard of Engine.save_checkpoint") +
+                                 "; the directory is incomplete: save it again, or give another checkpoint")
+        shards.append(shard)
+    return merge_state_dicts(shards)
 
 
 def load_named(tensors: Iterable[tuple[str, torch.Tensor, bool]], values: Mapping[str, Any], rank: int,
@@ -161,7 +208,7 @@ def load_named(tensors: Iterable[tuple[str, torch.Tensor, bool]], values: Mappin
 
 def _fill(stages: Sequence[StageModule], modules: Sequence[nn.Module], init: Init, device: torch.device,
           rank: int) -> None:
-    state = checkpoint_state(init, device, rank)
+    state = checkpoint_state(init, rank)
     if state is not None:
         params = {id(p) for stage in stages for p in stage.module.parameters()}
         load_named(((name, tensor, id(tensor) in params) for name, tensor in _named_tensors(stages)), state["model"],

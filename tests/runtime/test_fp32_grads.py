@@ -221,8 +221,17 @@ def test_fp32_grads_memory_and_simulated_reductions():
                          loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b", fp32_grads=True)
     with pytest.raises(ArgumentError, match="compile's fp32_grads is False"):
         _pipe(fp32_grads=False, memory=MemoryModel(grad_bytes_per_param_byte=2.0))
-    with pytest.raises(ArgumentError, match="fp32_grads must be True or False"):
+    with pytest.raises(ArgumentError, match=r"fp32_grads must be True, False or None \(default: master_weights\)"):
         _pipe(fp32_grads=1)
+    # Megatron's default: fp32 gradients wherever there are master copies (False: --grad-reduce-in-bf16)
+    default = _pipe(fp32_grads=None)
+    assert default.fp32_grads and default.simulation.memory.grad_bytes_per_param_byte == 2.0
+    assert not _pipe(fp32_grads=False).fp32_grads
+    plain = octopipe.compile(_model(), "cpux2", example_inputs=_batch()[0], example_target=_batch()[1],
+                             loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b")
+    assert not plain.master_weights and not plain.fp32_grads
+    assert plain.engine(0, master_weights=True).fp32_grads  # (master weights asked for here: fp32 gradients too)
+    assert not plain.engine(0, master_weights=True, fp32_grads=False).fp32_grads
 
 
 def _fp16(rank, world_size, init_scale):
@@ -297,7 +306,11 @@ def test_fp16_weights_need_fp32_grads_and_bf16_ones_no_loss_scaler():
     inputs, target = _batch()
     with pytest.raises(ArgumentError, match="needs fp32_grads=True"):
         octopipe.compile(_model().half(), "cpux2", example_inputs=inputs, example_target=target,
-                         loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b", master_weights=True)
+                         loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b", master_weights=True,
+                         fp32_grads=False)
+    assert octopipe.compile(_model().half(), "cpux2", example_inputs=inputs, example_target=target,
+                            loss_fn=models.lm_loss, num_microbatches=MICROBATCHES, schedule="1f1b",
+                            master_weights=True, quiet=True).fp32_grads  # (by default)
     pipe = _pipe()  # bf16 weights: no loss scaling
     with pytest.raises(ExecutionError, match="no loss scaling needed"):
         launch(_engine_with_scaler, 2, args=(pipe,), timeout_s=120)

@@ -1,6 +1,7 @@
-"""compile(model.bfloat16(), ..., master_weights=True): Megatron's bf16 training with fp32 main
-parameters. The optimizer steps an fp32 copy of each bf16 weight, given the bf16 gradient cast
-up, and each weight is rounded from its copy after the step. A 2-rank pipeline equals that scheme
+"""compile(model.bfloat16(), ..., master_weights=True, fp32_grads=False): Megatron's bf16 training
+with fp32 main parameters and bf16 gradients (its --grad-reduce-in-bf16; fp32 gradients, the
+default, are tests/runtime/test_fp32_grads.py's). The optimizer steps an fp32 copy of each bf16
+weight, given the bf16 gradient cast up, and each weight is rounded from its copy after the step. A 2-rank pipeline equals that scheme
 on one device bit for bit (and not plain bf16 training, which steps the bf16 weights); two
 replicas with the state sharded (each replica holding the copies of its share only) and the
 gather overlapped equal the unsharded run; checkpoints keep the fp32 copies."""
@@ -36,6 +37,7 @@ def _adamw(params):
 
 def _pipe(master_weights=True, name="llama", cluster="cpux2", **options):
     inputs, target = _batch(name)
+    options.setdefault("fp32_grads", False)  # (bf16 gradients: the copies take them cast up)
     return octopipe.compile(_model(name), cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
                             num_microbatches=MICROBATCHES, schedule="1f1b", master_weights=master_weights, quiet=True,
                             **options)
@@ -190,7 +192,7 @@ def test_master_weights_arguments_and_memory():
     half = octopipe.compile(models.build("llama", "tiny").half(), "cpux2", example_inputs=inputs,
                             example_target=target, loss_fn=models.lm_loss, num_microbatches=2, schedule="1f1b")
     with pytest.raises(ArgumentError, match="with fp16 weights .* needs fp32_grads=True"):
-        half.engine(0, master_weights=True)
+        half.engine(0, master_weights=True, fp32_grads=False)
 
 
 def _refused(rank, world_size):
