@@ -156,7 +156,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
-                  save_sharded: bool = False) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
+                  save_sharded: bool = False, save_background: bool = False
+                  ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     from octopipe.runtime.amp import LossScaler
@@ -209,7 +210,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
             if save and step >= warmup and saves_after(step - warmup + 1, steps, save_every):
                 # (collective; outside the timed span)
-                engine.save_checkpoint(save_path(save, step - warmup + 1), sharded=save_sharded)
+                engine.save_checkpoint(save_path(save, step - warmup + 1), sharded=save_sharded,
+                                       background=save_background)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -236,6 +238,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
+    for engine in engines:  # (a background save's index: collective)
+        engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
             for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
 
@@ -244,7 +248,8 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   learning_rate: float = 0.0, timeout_s: float = 600.0, optimizer: str = "sgd",
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
-                  save: str | None = None, save_every: int | None = None, save_sharded: bool = False) -> StepTiming:
+                  save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
+                  save_background: bool = False) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -259,10 +264,12 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     checkpoint after the last (`Engine.save_checkpoint`), and with `save_every` = N after every
     N-th timed step too (each write replaces the file, atomically; a `{step}` in `save` is
     replaced by the steps done, for a file per save: `save_path`); `save_sharded`: each save a
-    directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`)."""
+    directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`),
+    with `save_background` by a thread beside the next steps (finished before returning)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
-                    resume=resume, save=save, save_every=save_every, save_sharded=save_sharded)[0][0]
+                    resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
+                    save_background=save_background)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -309,7 +316,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
-             save_every: int | None = None, save_sharded: bool = False
+             save_every: int | None = None, save_sharded: bool = False, save_background: bool = False
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -323,7 +330,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
-                                                        save_every, save_sharded),
+                                                        save_every, save_sharded, save_background),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

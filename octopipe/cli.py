@@ -824,6 +824,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                             "wrote (or Engine.save_checkpoint)")
     if args.save_sharded and not args.save:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
+    if args.async_save and not args.save_sharded:
+        raise OctopipeError("train --async-save: each rank writes its own shard beside training, which needs "
+                            "--save DIRECTORY --save-sharded too (as Megatron's --async-save needs its torch_dist "
+                            "format)")
     given = [flag for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None]
     if given and not (args.fp16_weights or args.autocast == "fp16"):
         raise OctopipeError(f"train {given[0]}: only fp16 scales its loss; give --fp16-weights or --autocast fp16 too")
@@ -907,7 +911,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
                            resume=args.resume, save=args.save, save_every=args.save_interval,
-                           save_sharded=args.save_sharded)
+                           save_sharded=args.save_sharded, save_background=args.async_save)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
@@ -1205,7 +1209,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                      if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
         if _saves_at(args, step):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
-            engine.save_checkpoint(save_path(args.save, step + 1), sharded=args.save_sharded)
+            engine.save_checkpoint(save_path(args.save, step + 1), sharded=args.save_sharded,
+                                   background=args.async_save)
+    engine.finish_checkpoint()  # (a background save's index: collective)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
@@ -1279,7 +1285,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                                     ("--overlap-param-gather", args.overlap_param_gather),
                                     ("--bf16-weights", args.bf16_weights), ("--fp16-weights", args.fp16_weights),
                                     ("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
-                                    ("--save-sharded", args.save_sharded),
+                                    ("--save-sharded", args.save_sharded), ("--async-save", args.async_save),
                                     ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
@@ -1599,6 +1605,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --save: write a directory where every rank writes its own shard and rank 0 an index, "
                         "nothing gathered (as Megatron's ranks write their own files): for models whose state does "
                         "not fit one process; --resume and --init read either kind, on any plan or rank count")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --save-sharded: each rank copies its shard to the CPU and a thread writes it while the "
+                        "next steps run; the save is complete (its index written) at the next save or the end "
+                        "(Megatron's --async-save)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "

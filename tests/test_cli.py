@@ -1270,12 +1270,12 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     # sharded (--save-sharded: a directory, a file per rank, nothing gathered), locally and from the
     # torchrun path, resumed on other plans
     first, out = losses("--steps", "2", "--save", str(tmp_path / "d"), "--save-sharded", "--data-parallel", "2",
-                        "--shard-optimizer")
+                        "--shard-optimizer", "--async-save")  # (written beside training, indexed at the end)
     assert first == whole[:2] and len(list((tmp_path / "d").glob("shard-*.pt"))) == 4
     assert losses("--steps", "2", "--resume", str(tmp_path / "d"))[0] == whole[2:]
     proc = _torchrun(["train", "--model", "llama", "--nprocs", "2", "--optimizer", "adamw", "--lr", "0.01",
                       "--schedule", "1f1b", "--quiet", "--steps", "2", "--save", str(tmp_path / "b-{step}"),
-                      "--save-interval", "1", "--save-sharded"], tmp_path)
+                      "--save-interval", "1", "--save-sharded", "--async-save"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == whole[:2]
     assert sorted(p.name for p in tmp_path.glob("b-*")) == ["b-1", "b-2"]
@@ -1289,6 +1289,8 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert "give --save PATH too" in capsys.readouterr().err
     assert main([*words, "--save-sharded"]) == EXIT_ERROR
     assert "give --save DIRECTORY too" in capsys.readouterr().err
+    assert main([*words, "--save", "x.pt", "--async-save"]) == EXIT_ERROR
+    assert "needs --save DIRECTORY --save-sharded too" in capsys.readouterr().err
     assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--save-interval", "5", "--torchrun"]) == EXIT_OK
     assert "--resume a.pt --save b.pt --save-interval 5" in capsys.readouterr().out
     assert main([*words, "--save", "b", "--save-sharded", "--torchrun"]) == EXIT_OK

@@ -413,6 +413,8 @@ class Engine:
                                        if param.requires_grad and param.dtype in HALF_DTYPES]
         self._fp32_names = frozenset(name for pairs in self._folded.values() for name, _ in pairs)
         self._optimizer_hooks: list[Any] = []
+        self._saving: tuple[Any, str, str, str, list[BaseException]] | None = None
+        """A background sharded save still writing: (thread, directory, token, file, its errors)."""
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
@@ -1538,7 +1540,7 @@ class Engine:
         dist.gather_object(cpu_shard, shards, dst=dst)
         return merge_state_dicts(shards) if shards is not None else None
 
-    def save_checkpoint(self, path: str | os.PathLike[str], sharded: bool = False) -> None:
+    def save_checkpoint(self, path: str | os.PathLike[str], sharded: bool = False, background: bool = False) -> None:
         """Collective: gather to rank 0, which writes `path` atomically; all ranks return after.
         `sharded=True`: nothing is gathered; `path` is a directory where every rank writes its
         own shard (`_own_shard`) and rank 0 then the index naming them (`SHARDED_INDEX`), as
@@ -1546,11 +1548,22 @@ class Engine:
         state. Loading a directory (`load_checkpoint`, `init=`, `checkpoint_state`) merges its
         shards, read memory-mapped, into the same state as the gathered file's; a directory
         saved over again keeps the shards of the last complete save (a crash mid-save leaves
-        the index naming the previous ones) and drops the others once the new index is in."""
-        if not isinstance(sharded, bool):
-            raise ArgumentError(f"rank {self.rank}: save_checkpoint(sharded={sharded!r}): must be True or False")
+        the index naming the previous ones) and drops the others once the new index is in.
+        `background=True` (sharded only; Megatron's `--async-save`): each rank copies its shard
+        to the CPU and returns, a thread writing the file while training goes on; the save is
+        complete, its index written, at `finish_checkpoint()`, which the next save calls first
+        and every rank must call before it exits (until then the directory holds the previous
+        complete save)."""
+        if not isinstance(sharded, bool) or not isinstance(background, bool):
+            raise ArgumentError(f"rank {self.rank}: save_checkpoint(sharded={sharded!r}, background={background!r}): "
+                                "each must be True or False")
+        if background and not sharded:
+            raise ArgumentError(f"rank {self.rank}: save_checkpoint(background=True) writes each rank's own shard "
+                                "beside training, which needs sharded=True (a gathered file is rank 0's to write "
+                                "whole); pass sharded=True too")
+        self.finish_checkpoint()  # (an earlier background save completes first)
         if sharded:
-            self._save_sharded(os.fspath(path))
+            self._save_sharded(os.fspath(path), background)
             return
         state = self.gather_state_dict(0)
         error = None
@@ -1570,9 +1583,10 @@ class Engine:
         if error is not None:
             raise error
 
-    def _save_sharded(self, path: str) -> None:
-        """`save_checkpoint(path, sharded=True)`."""
-        import json
+    def _save_sharded(self, path: str, background: bool) -> None:
+        """`save_checkpoint(path, sharded=True)`: this rank's shard written (by a thread, in the
+        background), then `_commit_sharded` (at `finish_checkpoint`, in the background)."""
+        import threading
         import uuid
 
         collective = self.world_size > 1 and dist.is_initialized()
@@ -1580,13 +1594,50 @@ class Engine:
         if collective:  # (one name for the save, rank 0's, so the index can tell its shards from older ones)
             dist.broadcast_object_list(token, src=0)
         name = f"shard-{token[0]}-rank{self.rank:05d}-of{self.world_size:05d}.pt"
-        error: BaseException | None = None
+        errors: list[BaseException] = []
+
+        def write(shard: Any) -> None:
+            try:
+                os.makedirs(path, exist_ok=True)
+                atomic_save(shard, os.path.join(path, name))
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it at the commit, then raises
+                errors.append(exc)
+
         try:
             shard = _to_cpu(self._own_shard())
-            os.makedirs(path, exist_ok=True)
-            atomic_save(shard, os.path.join(path, name))
-        except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then raises
-            error = exc
+            if background:  # (a CPU tensor's .cpu() is itself: copy what the next steps change in place)
+                shard = _cloned(shard)
+        except Exception as exc:  # noqa: BLE001 - as above
+            errors.append(exc)
+            background = False
+        if errors:
+            self._commit_sharded(path, token[0], name, errors)
+        elif background:
+            thread = threading.Thread(target=write, args=(shard,), name=f"octopipe-save-rank{self.rank}")
+            thread.start()
+            self._saving = (thread, path, token[0], name, errors)
+        else:
+            write(shard)
+            self._commit_sharded(path, token[0], name, errors)
+
+    def finish_checkpoint(self) -> None:
+        """Collective where a background save (`save_checkpoint(..., background=True)`) is
+        pending: wait for this rank's file, agree with every rank that all were written, and
+        write the index that makes the save complete (rank 0). Nothing to do otherwise."""
+        if self._saving is None:
+            return
+        thread, path, token, name, errors = self._saving
+        self._saving = None
+        thread.join()
+        self._commit_sharded(path, token, name, errors)
+
+    def _commit_sharded(self, path: str, token: str, name: str, errors: list[BaseException]) -> None:
+        """After every rank wrote its shard (or failed): rank 0 writes the index naming the
+        save's shards, last, and drops an earlier save's; every rank raises if any failed."""
+        import json
+
+        collective = self.world_size > 1 and dist.is_initialized()
+        error = errors[0] if errors else None
         failed = [error is not None] * self.world_size
         if collective:
             dist.all_gather_object(failed, error is not None)
@@ -1599,7 +1650,7 @@ class Engine:
                                  "give a directory that can be created and written") from None
         index_error = None
         if self.rank == 0:  # the index last: it names a complete save
-            files = [f"shard-{token[0]}-rank{rank:05d}-of{self.world_size:05d}.pt" for rank in range(self.world_size)]
+            files = [f"shard-{token}-rank{rank:05d}-of{self.world_size:05d}.pt" for rank in range(self.world_size)]
             try:
                 temporary = os.path.join(path, f".{SHARDED_INDEX}.tmp-{os.getpid()}")
                 with open(temporary, "w", encoding="utf-8") as handle:
@@ -1621,12 +1672,25 @@ class Engine:
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Load a checkpoint written by `save_checkpoint`, a file or a sharded directory (every
-        rank reads the entries it holds; any plan, rank or replica count)."""
+        rank reads the entries it holds; any plan, rank or replica count). A background save
+        still pending is finished first (collective), so its directory reads complete."""
+        self.finish_checkpoint()
         state = checkpoint_state(os.fspath(path), self.rank)
         self.load_state_dict(state)
 
 
 # -- state helpers (also for the plain model) -------------------------------------------------------
+
+
+def _cloned(value: Any) -> Any:
+    """`value` with every tensor in it cloned."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def _to_cpu(value: Any) -> Any:

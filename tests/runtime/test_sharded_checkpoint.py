@@ -3,7 +3,8 @@ and rank 0 an index, nothing gathered (Megatron's per-rank files). 4 gloo proces
 2 ranks of gemma, its optimizer state sharded by rows): the directory's merged state equals the
 gathered file's bit for bit, each shard holds its rank's part only, a save over an older one
 leaves only the new shards, and the directory resumes sharded and unsharded runs and loads into
-the plain model."""
+the plain model; a background save holds the state at its call and is indexed only when
+finished."""
 
 import os
 
@@ -64,7 +65,12 @@ def _worker(rank, world_size, folder):
         torch.save({"model": {}}, f"{folder}/ckpt/shard-stray-rank00000-of00004.pt")
     engine.save_checkpoint(f"{folder}/ckpt", sharded=True)
     engine.save_checkpoint(f"{folder}/gathered.pt")
+    # in the background (Megatron's --async-save): the shard copied, written by a thread while
+    # the next step changes the weights in place; complete (indexed) only at finish_checkpoint
+    engine.save_checkpoint(f"{folder}/background", sharded=True, background=True)
+    indexed_before_finish = os.path.exists(f"{folder}/background/{SHARDED_INDEX}")
     _step(engine, mine)
+    engine.finish_checkpoint()
     after = {n: p.detach().clone() for n, p in engine.named_parameters()}
     resumed = {}
     for shard in (True, False):  # the directory resumed: the next step as the uninterrupted run took it
@@ -72,23 +78,25 @@ def _worker(rank, world_size, folder):
         other.load_checkpoint(f"{folder}/ckpt")
         _step(other, mine)
         resumed[shard] = {n: p.detach().clone() for n, p in other.named_parameters()}
-    try:
-        engine.save_checkpoint(f"{folder}/ckpt", sharded="yes")
-        refused = None
-    except ArgumentError as exc:
-        refused = str(exc)
-    return after, resumed, refused
+    refused = []
+    for options in (dict(sharded="yes"), dict(background=True)):
+        try:
+            engine.save_checkpoint(f"{folder}/ckpt", **options)
+        except ArgumentError as exc:
+            refused.append(str(exc))
+    return after, resumed, (refused, indexed_before_finish)
 
 
 @pytest.mark.timeout(300)
 def test_a_sharded_checkpoint_is_the_gathered_one_written_rank_by_rank(tmp_path):
     per_rank = launch(_worker, 4, args=(str(tmp_path),), timeout_s=240)
-    for rank, (after, resumed, refused) in enumerate(per_rank):
+    for rank, (after, resumed, (refused, indexed_before_finish)) in enumerate(per_rank):
         for shard in (True, False):
             assert set(resumed[shard]) == set(after), rank
             for name, value in after.items():
                 assert torch.equal(resumed[shard][name], value), (rank, shard, name)
-        assert refused is not None and "must be True or False" in refused
+        assert len(refused) == 2 and "must be True or False" in refused[0] and "pass sharded=True too" in refused[1]
+        assert not indexed_before_finish, rank
     folder = tmp_path / "ckpt"
     files = sorted(os.listdir(folder))
     assert SHARDED_INDEX in files
@@ -114,6 +122,8 @@ def test_a_sharded_checkpoint_is_the_gathered_one_written_rank_by_rank(tmp_path)
             assert a == b, where
 
     equal(merged, gathered, ())
+    # the background save holds the state at its call, not the step taken while it wrote
+    equal(checkpoint_state(str(tmp_path / "background"), 0), gathered, ("background",))
     # each rank wrote its own part: replica 0's ranks their stages' weights, replica 1's none (and
     # their rows of the optimizer's state)
     parts = [torch.load(folder / name, weights_only=True) for name in shards]
