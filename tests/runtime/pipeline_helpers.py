@@ -296,6 +296,15 @@ def build_model(name: str, seed: int = 0, batch_size: int = 4, **overrides):
             models.example_target(name, batch_size=batch_size, **overrides), models.lm_loss)
 
 
+def replica_token_batches(replicas: int, seed: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Tokens and targets (ids < 64, the tiny models' vocabularies hold them) for `replicas`
+    data-parallel replicas, 4 sequences of 8 each: (tokens per replica, targets per replica)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (replicas * 4, 8), generator=generator)
+    target = torch.randint(0, 64, (replicas * 4, 8), generator=generator)
+    return tokens.chunk(replicas), target.chunk(replicas)
+
+
 _TRACED: dict = {}
 
 

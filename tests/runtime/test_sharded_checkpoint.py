@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from pipeline_helpers import replica_token_batches
 
 import octopipe
 from octopipe import models
@@ -29,10 +30,7 @@ def _model():
 
 
 def _batches():
-    generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 64, (REPLICAS * 4, 8), generator=generator)
-    target = torch.randint(0, 64, (REPLICAS * 4, 8), generator=generator)
-    return tokens.chunk(REPLICAS), target.chunk(REPLICAS)
+    return replica_token_batches(REPLICAS, 7)
 
 
 def _pipe(shard):
