@@ -1415,6 +1415,82 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """`octopipe checkpoint PATH`: what a checkpoint (a file, or a sharded directory) holds; with
+    `-o OUT` write it as one gathered file (`--weights-only`: the plain model's state dict,
+    `--fp32`: the fp32 master copies where it holds them, the weights' own values elsewhere)."""
+    import torch
+
+    from octopipe.errors import OctopipeError
+    from octopipe.runtime import atomic_save
+    from octopipe.runtime.engine import MASTER_KEY, saved_master
+    from octopipe.runtime.materialize import checkpoint_state
+
+    if (args.weights_only or args.fp32) and args.output is None:
+        raise OctopipeError("checkpoint: --weights-only and --fp32 choose what -o OUT holds; give -o OUT too")
+    if args.fp32 and not args.weights_only:
+        raise OctopipeError("checkpoint --fp32: the fp32 copies replace the weights in a plain state dict; give "
+                            "--weights-only too (a whole checkpoint keeps both already)")
+    from octopipe.errors import ExecutionError
+
+    _writable(args.output, "-o")
+    sharded = os.path.isdir(args.path)
+    try:
+        state = checkpoint_state(args.path, 0)
+    except ExecutionError as exc:  # a bad path given on the command line, not a failed run
+        raise OctopipeError(f"checkpoint {args.path}: {str(exc).removeprefix('rank 0: ')}") from None
+    if state is None:  # ("reset" names no checkpoint)
+        raise OctopipeError(f"checkpoint {args.path}: not a checkpoint path")
+    model = {name: value for name, value in state["model"].items() if isinstance(value, torch.Tensor)}
+    optimizer = state.get("optimizer")
+    entries = optimizer.get("state", {}) if isinstance(optimizer, dict) else {}
+    masters = sorted(name for name, entry in entries.items() if isinstance(entry, dict) and MASTER_KEY in entry)
+    if args.output is None:
+        if sharded:
+            import json
+
+            from octopipe.runtime.engine import SHARDED_INDEX
+
+            with open(os.path.join(args.path, SHARDED_INDEX), encoding="utf-8") as handle:
+                index = json.load(handle)
+            print(f"{args.path}: a sharded checkpoint, {len(index['files'])} shards written by {index['world_size']} "
+                  "ranks")
+        else:
+            print(f"{args.path}: a checkpoint file")
+        by_dtype: dict[str, int] = {}
+        for value in model.values():
+            key = str(value.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + value.numel()
+        print(f"model: {len(model)} tensors, " + ", ".join(f"{count:,} {dtype}" for dtype, count in
+                                                          sorted(by_dtype.items())))
+        if isinstance(optimizer, dict):
+            groups = optimizer.get("param_groups", [])
+            keys = sorted({key for entry in entries.values() if isinstance(entry, dict) for key in entry
+                           if key != MASTER_KEY})
+            print(f"optimizer: state for {len(entries)} parameters ({', '.join(keys) or 'none'}), {len(groups)} "
+                  f"param group(s)" + (f"; fp32 master copies of {len(masters)}" if masters else ""))
+        else:
+            print("optimizer: none (a checkpoint of weights only)")
+        if "loss_scaler" in state:
+            print(f"loss scale: {state['loss_scaler'].get('scale')}")
+        if state.get("random"):
+            print(f"dropout streams: {len(state['random'])} stage(s)")
+        return EXIT_OK
+    if args.weights_only:
+        out: Any = {name: (saved_master(state, name) if args.fp32 and name in masters else value)
+                    for name, value in model.items()}
+        what = f"{len(out)} tensors" + (f", {len(masters)} of them the fp32 copies" if args.fp32 else "")
+    else:
+        out = state
+        what = "the whole state"
+    try:
+        atomic_save(out, args.output)
+    except OSError as exc:
+        raise _write_error(args.output, exc) from None
+    print(f"wrote {args.output}: {what}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="octopipe", description="Pipeline-parallel training compiler: joint partition, placement and schedule.",
@@ -1647,6 +1723,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="compile for bfloat16 or float16 autocast (the stages level shows the dtypes sent between stages)")
     p.set_defaults(run=cmd_dump)
+
+    p = sub.add_parser("checkpoint", help="show what a checkpoint (file or sharded directory) holds, or write it as "
+                                          "one file")
+    p.add_argument("path", metavar="CHECKPOINT", help="a file, or a directory train --save-sharded wrote")
+    p.add_argument("-o", "--output", metavar="OUT", default=None,
+                   help="write it as one file, the gathered kind train --save writes (--resume and --init read it)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="with -o: only the weights, {name: tensor} as model.state_dict() gives them (for "
+                        "model.load_state_dict, or another framework; a tied parameter under its first name only, "
+                        "so load with strict=False or octopipe.runtime.load_into_model)")
+    p.add_argument("--fp32", action="store_true",
+                   help="with --weights-only: the fp32 master copies in place of the bf16 or fp16 weights where "
+                        "the checkpoint holds them (train --bf16-weights, --fp16-weights)")
+    p.set_defaults(run=cmd_checkpoint)
     return parser
 
 

@@ -1296,3 +1296,46 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert main([*words, "--save", "b", "--save-sharded", "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out
     assert "--save b " in line and "--save-sharded" in line
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_shows_a_sharded_directory_and_writes_it_as_one_file(tmp_path, capsys):
+    import torch
+
+    from octopipe import models
+    from octopipe.runtime.materialize import checkpoint_state
+
+    folder = tmp_path / "d"
+    assert main(["train", "--model", "gemma", "--steps", "2", "--optimizer", "adamw", "--bf16-weights", "--quiet",
+                 "--schedule", "1f1b", "--data-parallel", "2", "--shard-optimizer", "--save", str(folder),
+                 "--save-sharded"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["checkpoint", str(folder)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"{folder}: a sharded checkpoint, 4 shards written by 4 ranks" in out
+    assert re.search(r"^model: \d+ tensors, [\d,]+ bfloat16$", out, re.MULTILINE), out
+    assert re.search(r"^optimizer: state for \d+ parameters \(exp_avg, exp_avg_sq, step\), 1 param group\(s\); "
+                     r"fp32 master copies of \d+$", out, re.MULTILINE), out
+    assert "dropout streams: 4 stage(s)" in out
+    state = checkpoint_state(str(folder), 0)
+    # one file: the whole state, as train --save (gathered) writes it, which --resume reads
+    assert main(["checkpoint", str(folder), "-o", str(tmp_path / "one.pt")]) == EXIT_OK
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert set(one["model"]) == set(state["model"]) and set(one["optimizer"]["state"]) == set(state["optimizer"]["state"])
+    for name, entry in state["optimizer"]["state"].items():
+        assert torch.equal(one["optimizer"]["state"][name]["exp_avg"], entry["exp_avg"]), name
+    # the weights alone, the bf16 ones or their fp32 copies
+    for flags, dtype in (([], torch.bfloat16), (["--fp32"], torch.float32)):
+        assert main(["checkpoint", str(folder), "-o", str(tmp_path / "w.pt"), "--weights-only", *flags]) == EXIT_OK
+        weights = torch.load(tmp_path / "w.pt", weights_only=True)
+        assert set(weights) == set(state["model"]) and all(value.dtype is dtype for value in weights.values())
+        assert all(torch.equal(value.bfloat16(), state["model"][name]) for name, value in weights.items())
+    plain = models.build("gemma", "tiny")
+    plain.load_state_dict(weights, strict=False)  # (the head, tied to the embedding, under its first name)
+    assert torch.equal(plain.embed.weight, weights["embed.weight"])
+    assert main(["checkpoint", str(folder), "--fp32"]) == EXIT_ERROR
+    assert "give -o OUT too" in capsys.readouterr().err
+    assert main(["checkpoint", str(folder), "-o", str(tmp_path / "x.pt"), "--fp32"]) == EXIT_ERROR
+    assert "give --weights-only too" in capsys.readouterr().err
+    assert main(["checkpoint", str(tmp_path / "none")]) == EXIT_ERROR
+    assert f"checkpoint {tmp_path / 'none'}: init checkpoint" in capsys.readouterr().err
