@@ -156,7 +156,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
-                  save_sharded: bool = False, save_background: bool = False
+                  save_sharded: bool = False, save_background: bool = False, first_step: int = 0
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -208,10 +208,11 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
             after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
-            if save and step >= warmup and saves_after(step - warmup + 1, steps, save_every):
+            done = first_step + step - warmup + 1  # (the iteration, counted on from a resumed checkpoint's)
+            if save and step >= warmup and saves_after(done, first_step + steps, save_every):
                 # (collective; outside the timed span)
-                engine.save_checkpoint(save_path(save, step - warmup + 1), sharded=save_sharded,
-                                       background=save_background)
+                engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
+                                       extra={"iteration": done})
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -249,7 +250,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
-                  save_background: bool = False) -> StepTiming:
+                  save_background: bool = False, first_step: int = 0) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -265,11 +266,13 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     N-th timed step too (each write replaces the file, atomically; a `{step}` in `save` is
     replaced by the steps done, for a file per save: `save_path`); `save_sharded`: each save a
     directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`),
-    with `save_background` by a thread beside the next steps (finished before returning)."""
+    with `save_background` by a thread beside the next steps (finished before returning).
+    `first_step`: the iterations done before this run (a resumed checkpoint's `iteration`), from
+    which the saves count on: `{step}`, `save_every` and the `iteration` each save keeps."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
-                    save_background=save_background)[0][0]
+                    save_background=save_background, first_step=first_step)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -316,7 +319,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              warmup: int, learning_rate: float, timeout_s: float, rewarm: bool = False, optimizer: str = "sgd",
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
-             save_every: int | None = None, save_sharded: bool = False, save_background: bool = False
+             save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
+             first_step: int = 0
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -330,7 +334,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
-                                                        save_every, save_sharded, save_background),
+                                                        save_every, save_sharded, save_background, first_step),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

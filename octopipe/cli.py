@@ -814,6 +814,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.plan and args.schedule:
         raise OctopipeError("train: give --plan FILE (a saved plan) or --schedule NAME (a baseline), not both")
     _check_state_flags(args, "train", "--data-parallel D")
+    args.first_step = 0  # the iterations done before this run: a --resume checkpoint's, read where it is loaded
     if args.save_interval and not args.save:
         raise OctopipeError(f"train --save-interval {args.save_interval}: give --save PATH too (where to write)")
     if args.resume and args.init:
@@ -907,18 +908,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
     # with master weights the engines also start their fp32 copies from the checkpoint's
+    if args.resume:
+        from octopipe.runtime.materialize import checkpoint_state
+
+        resumed = checkpoint_state(args.resume, 0) or {}  # (memory-mapped: only its saved iteration is read)
+        args.first_step = _resumed_iteration(dict(resumed.get("extra") or {}), args.resume)
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
                            resume=args.resume, save=args.save, save_every=args.save_interval,
-                           save_sharded=args.save_sharded, save_background=args.async_save)
+                           save_sharded=args.save_sharded, save_background=args.async_save,
+                           first_step=args.first_step)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
-        print(f"step {step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
+        print(f"step {args.first_step + step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
               + (_saved_note(args, step) if _saves_at(args, step) else ""))
     if args.save:
-        print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
-              f"{save_path(args.save, args.steps)} continues from it)")
+        last = save_path(args.save, args.first_step + args.steps)
+        print(f"saved the checkpoint to {last} (train --resume {last} continues from it)")
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
@@ -944,16 +951,29 @@ def _loss_scaling(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _saves_at(args: argparse.Namespace, step: int) -> bool:
-    """Whether `train --save` writes the checkpoint after step `step` (0-based; `bench.saves_after`)."""
+    """Whether `train --save` writes the checkpoint after this run's step `step` (0-based;
+    `bench.saves_after`, on the iterations counted from `args.first_step`)."""
     from octopipe.bench import saves_after
 
-    return bool(args.save) and saves_after(step + 1, args.steps, args.save_interval)
+    return bool(args.save) and saves_after(args.first_step + step + 1, args.first_step + args.steps,
+                                           args.save_interval)
 
 
 def _saved_note(args: argparse.Namespace, step: int) -> str:
     from octopipe.bench import save_path
 
-    return f"  (saved to {save_path(args.save, step + 1)})"
+    return f"  (saved to {save_path(args.save, args.first_step + step + 1)})"
+
+
+def _resumed_iteration(extra: dict[str, Any], path: str) -> int:
+    """The iterations a `--resume` checkpoint had done (the `iteration` train saved beside it; 0
+    for a checkpoint without it, one `Engine.save_checkpoint` wrote without `extra`)."""
+    iteration = extra.get("iteration", 0)
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        from octopipe.errors import OctopipeError
+
+        raise OctopipeError(f"train --resume {path}: its saved iteration is {iteration!r}, not a count of steps")
+    return iteration
 
 
 def _skipped_note(scale: float | None) -> str:
@@ -1190,7 +1210,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     target = target.to(device) if target is not None else None
     optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save))
     if args.resume:
-        engine.load_checkpoint(args.resume)
+        args.first_step = _resumed_iteration(engine.load_checkpoint(args.resume), args.resume)
     if first is not None:
         print(first.dump("plan"), flush=True)
     step_ms = []
@@ -1204,21 +1224,21 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
-            print(f"step {step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
+            print(f"step {args.first_step + step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
                   + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
                      if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
         if _saves_at(args, step):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
-            engine.save_checkpoint(save_path(args.save, step + 1), sharded=args.save_sharded,
-                                   background=args.async_save)
+            engine.save_checkpoint(save_path(args.save, args.first_step + step + 1), sharded=args.save_sharded,
+                                   background=args.async_save, extra={"iteration": args.first_step + step + 1})
     engine.finish_checkpoint()  # (a background save's index: collective)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
     if args.save and rank == 0:
-        print(f"saved the checkpoint to {save_path(args.save, args.steps)} (train --resume "
-              f"{save_path(args.save, args.steps)} continues from it)", flush=True)
+        last = save_path(args.save, args.first_step + args.steps)
+        print(f"saved the checkpoint to {last} (train --resume {last} continues from it)", flush=True)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 
@@ -1475,6 +1495,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             print(f"loss scale: {state['loss_scaler'].get('scale')}")
         if state.get("random"):
             print(f"dropout streams: {len(state['random'])} stage(s)")
+        if isinstance(state.get("extra"), dict):
+            print(f"the loop's own state: {', '.join(map(str, state['extra'])) or 'none'}")
         return EXIT_OK
     if args.weights_only:
         out: Any = {name: (saved_master(state, name) if args.fp32 and name in masters else value)

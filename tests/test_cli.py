@@ -1257,7 +1257,11 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     whole, _ = losses("--steps", "4")
     first, out = losses("--steps", "2", "--save", str(tmp_path / "a.pt"))
     assert first == whole[:2] and f"saved the checkpoint to {tmp_path / 'a.pt'}" in out
-    assert losses("--steps", "2", "--resume", str(tmp_path / "a.pt"))[0] == whole[2:]
+    # the iterations count on from the checkpoint's (Megatron's iteration): the lines and {step}
+    resumed, out = losses("--steps", "2", "--resume", str(tmp_path / "a.pt"), "--save", str(tmp_path / "e-{step}.pt"),
+                          "--save-interval", "1")
+    assert resumed == whole[2:] and f"step 2: loss {whole[2]}" in out and f"step 3: loss {whole[3]}" in out
+    assert sorted(p.name for p in tmp_path.glob("e-*.pt")) == ["e-3.pt", "e-4.pt"]
     assert losses("--steps", "2", "--resume", str(tmp_path / "a.pt"), "--schedule", "zb-v", "--data-parallel", "2",
                   "--shard-optimizer")[0] == whole[2:]
     # without the optimizer's state (--init: the weights only) the third step differs
@@ -1280,7 +1284,8 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == whole[:2]
     assert sorted(p.name for p in tmp_path.glob("b-*")) == ["b-1", "b-2"]
     assert len(list((tmp_path / "b-1").glob("shard-*.pt"))) == 2
-    assert losses("--steps", "3", "--resume", str(tmp_path / "b-1"))[0] == whole[1:]
+    resumed, out = losses("--steps", "3", "--resume", str(tmp_path / "b-1"))
+    assert resumed == whole[1:] and f"step 1: loss {whole[1]}" in out  # (its iteration saved by the torchrun path)
     assert main([*words, "--init", str(tmp_path / "a.pt"), "--resume", str(tmp_path / "a.pt")]) == EXIT_ERROR
     assert "not both" in capsys.readouterr().err
     assert main([*words, "--resume", str(tmp_path / "none.pt")]) == EXIT_ERROR

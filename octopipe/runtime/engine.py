@@ -1540,7 +1540,8 @@ class Engine:
         dist.gather_object(cpu_shard, shards, dst=dst)
         return merge_state_dicts(shards) if shards is not None else None
 
-    def save_checkpoint(self, path: str | os.PathLike[str], sharded: bool = False, background: bool = False) -> None:
+    def save_checkpoint(self, path: str | os.PathLike[str], sharded: bool = False, background: bool = False,
+                        extra: Mapping[str, Any] | None = None) -> None:
         """Collective: gather to rank 0, which writes `path` atomically; all ranks return after.
         `sharded=True`: nothing is gathered; `path` is a directory where every rank writes its
         own shard (`_own_shard`) and rank 0 then the index naming them (`SHARDED_INDEX`), as
@@ -1553,7 +1554,15 @@ class Engine:
         to the CPU and returns, a thread writing the file while training goes on; the save is
         complete, its index written, at `finish_checkpoint()`, which the next save calls first
         and every rank must call before it exits (until then the directory holds the previous
-        complete save)."""
+        complete save). `extra`: the training loop's own state to keep beside the engine's (the
+        iteration, an LR scheduler's `state_dict()`, ...), rank 0's saved, `load_checkpoint`
+        returning it: tensors, numbers, strings, None, and lists, tuples and string-keyed dicts
+        of them (what a checkpoint read with `weights_only` holds)."""
+        if extra is not None:
+            if not isinstance(extra, Mapping):
+                raise ArgumentError(f"rank {self.rank}: save_checkpoint(extra=...) takes a dict of the loop's own state "
+                                    f"(e.g. {{'iteration': 100}}), got {type(extra).__name__}")
+            _check_extra(extra, "extra", self.rank)
         if not isinstance(sharded, bool) or not isinstance(background, bool):
             raise ArgumentError(f"rank {self.rank}: save_checkpoint(sharded={sharded!r}, background={background!r}): "
                                 "each must be True or False")
@@ -1563,9 +1572,11 @@ class Engine:
                                 "whole); pass sharded=True too")
         self.finish_checkpoint()  # (an earlier background save completes first)
         if sharded:
-            self._save_sharded(os.fspath(path), background)
+            self._save_sharded(os.fspath(path), background, extra)
             return
         state = self.gather_state_dict(0)
+        if state is not None and extra is not None:
+            state["extra"] = _to_cpu(dict(extra))
         error = None
         if self.rank == 0:
             try:
@@ -1583,7 +1594,7 @@ class Engine:
         if error is not None:
             raise error
 
-    def _save_sharded(self, path: str, background: bool) -> None:
+    def _save_sharded(self, path: str, background: bool, extra: Mapping[str, Any] | None = None) -> None:
         """`save_checkpoint(path, sharded=True)`: this rank's shard written (by a thread, in the
         background), then `_commit_sharded` (at `finish_checkpoint`, in the background)."""
         import threading
@@ -1605,6 +1616,8 @@ class Engine:
 
         try:
             shard = _to_cpu(self._own_shard())
+            if extra is not None and self.rank == 0:
+                shard["extra"] = _to_cpu(dict(extra))
             if background:  # (a CPU tensor's .cpu() is itself: copy what the next steps change in place)
                 shard = _cloned(shard)
         except Exception as exc:  # noqa: BLE001 - as above
@@ -1670,16 +1683,38 @@ class Engine:
             raise ExecutionError(f"rank {self.rank}: sharded checkpoint {path!r}: rank 0 could not write its index "
                                  f"({flag[0]}); the directory keeps its last complete save")
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint written by `save_checkpoint`, a file or a sharded directory (every
         rank reads the entries it holds; any plan, rank or replica count). A background save
         still pending is finished first (collective), so its directory reads complete."""
         self.finish_checkpoint()
         state = checkpoint_state(os.fspath(path), self.rank)
-        self.load_state_dict(state)
+        self.load_state_dict(state)  # type: ignore[arg-type]
+        extra = state.get("extra") if state is not None else None
+        return dict(extra) if isinstance(extra, Mapping) else {}
 
 
 # -- state helpers (also for the plain model) -------------------------------------------------------
+
+
+def _check_extra(value: Any, where: str, rank: int) -> None:
+    """`save_checkpoint(extra=...)`: only what a checkpoint read with `weights_only` holds."""
+    if isinstance(value, (Tensor, int, float, bool, str, type(None))):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_extra(item, f"{where}[{index}]", rank)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ArgumentError(f"rank {rank}: save_checkpoint: {where} has the key {key!r}, not a string; use "
+                                    "string keys")
+            _check_extra(item, f"{where}[{key!r}]", rank)
+        return
+    raise ArgumentError(f"rank {rank}: save_checkpoint: {where} is a {type(value).__name__}, which a checkpoint read "
+                        "with weights_only cannot hold; keep tensors, numbers, strings, None, and lists and dicts of "
+                        "them (a scheduler's state_dict() without its functions, say)")
 
 
 def _cloned(value: Any) -> Any:
@@ -1882,6 +1917,9 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     streams = {key: value for shard in shards for key, value in shard.get("random", {}).items()}
     if streams:
         merged["random"] = streams
+    extras = [shard["extra"] for shard in shards if "extra" in shard]
+    if extras:  # (rank 0's: `save_checkpoint(extra=...)`)
+        merged["extra"] = extras[0]
     scalers = [shard["loss_scaler"] for shard in shards if "loss_scaler" in shard]
     if scalers:  # every rank's is the same: they decide each step together
         merged["loss_scaler"] = scalers[0]

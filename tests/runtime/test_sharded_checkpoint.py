@@ -61,39 +61,48 @@ def _worker(rank, world_size, folder):
     _step(engine, mine)
     if rank == 0:  # a stray shard of some other save: dropped with the older ones
         torch.save({"model": {}}, f"{folder}/ckpt/shard-stray-rank00000-of00004.pt")
-    engine.save_checkpoint(f"{folder}/ckpt", sharded=True)
-    engine.save_checkpoint(f"{folder}/gathered.pt")
+    extra = {"iteration": 3, "scheduler": {"last_epoch": 3, "base_lrs": [LR]}, "seen": torch.tensor([rank])}
+    engine.save_checkpoint(f"{folder}/ckpt", sharded=True, extra=extra)  # (the loop's own state, rank 0's kept)
+    engine.save_checkpoint(f"{folder}/gathered.pt", extra=extra)
     # in the background (Megatron's --async-save): the shard copied, written by a thread while
     # the next step changes the weights in place; complete (indexed) only at finish_checkpoint
-    engine.save_checkpoint(f"{folder}/background", sharded=True, background=True)
+    engine.save_checkpoint(f"{folder}/background", sharded=True, background=True, extra=extra)
     indexed_before_finish = os.path.exists(f"{folder}/background/{SHARDED_INDEX}")
     _step(engine, mine)
     engine.finish_checkpoint()
     after = {n: p.detach().clone() for n, p in engine.named_parameters()}
     resumed = {}
+    extras = []
     for shard in (True, False):  # the directory resumed: the next step as the uninterrupted run took it
         other = _pipe(shard).engine(rank, timeout_s=60, optimizer=_adamw)
-        other.load_checkpoint(f"{folder}/ckpt")
+        extras.append(other.load_checkpoint(f"{folder}/ckpt"))
         _step(other, mine)
         resumed[shard] = {n: p.detach().clone() for n, p in other.named_parameters()}
+    extras.append(engine.load_checkpoint(f"{folder}/gathered.pt"))
     refused = []
-    for options in (dict(sharded="yes"), dict(background=True)):
+    for options in (dict(sharded="yes"), dict(background=True), dict(extra={"schedule": lambda step: 1.0}),
+                    dict(extra=[3])):
         try:
             engine.save_checkpoint(f"{folder}/ckpt", **options)
         except ArgumentError as exc:
             refused.append(str(exc))
-    return after, resumed, (refused, indexed_before_finish)
+    return after, resumed, (refused, indexed_before_finish), extras
 
 
 @pytest.mark.timeout(300)
 def test_a_sharded_checkpoint_is_the_gathered_one_written_rank_by_rank(tmp_path):
     per_rank = launch(_worker, 4, args=(str(tmp_path),), timeout_s=240)
-    for rank, (after, resumed, (refused, indexed_before_finish)) in enumerate(per_rank):
+    for rank, (after, resumed, (refused, indexed_before_finish), extras) in enumerate(per_rank):
+        # every rank gets rank 0's state of the loop back, from the directory and the file
+        for extra in extras:
+            assert extra["iteration"] == 3 and extra["scheduler"] == {"last_epoch": 3, "base_lrs": [LR]}, rank
+            assert torch.equal(extra["seen"], torch.tensor([0])), rank
         for shard in (True, False):
             assert set(resumed[shard]) == set(after), rank
             for name, value in after.items():
                 assert torch.equal(resumed[shard][name], value), (rank, shard, name)
-        assert len(refused) == 2 and "must be True or False" in refused[0] and "pass sharded=True too" in refused[1]
+        assert len(refused) == 4 and "must be True or False" in refused[0] and "pass sharded=True too" in refused[1]
+        assert "extra['schedule'] is a function" in refused[2] and "takes a dict" in refused[3]
         assert not indexed_before_finish, rank
     folder = tmp_path / "ckpt"
     files = sorted(os.listdir(folder))
