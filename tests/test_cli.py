@@ -1325,10 +1325,13 @@ def test_checkpoint_shows_a_sharded_directory_and_writes_it_as_one_file(tmp_path
     state = checkpoint_state(str(folder), 0)
     # one file: the whole state, as train --save (gathered) writes it, which --resume reads
     assert main(["checkpoint", str(folder), "-o", str(tmp_path / "one.pt")]) == EXIT_OK
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'one.pt'}: the whole state"
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     assert set(one["model"]) == set(state["model"]) and set(one["optimizer"]["state"]) == set(state["optimizer"]["state"])
     for name, entry in state["optimizer"]["state"].items():
         assert torch.equal(one["optimizer"]["state"][name]["exp_avg"], entry["exp_avg"]), name
+    assert main(["checkpoint", str(tmp_path / "one.pt")]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[1:] == out.splitlines()[1:]  # (the same, but for the first line)
     # the weights alone, the bf16 ones or their fp32 copies
     for flags, dtype in (([], torch.bfloat16), (["--fp32"], torch.float32)):
         assert main(["checkpoint", str(folder), "-o", str(tmp_path / "w.pt"), "--weights-only", *flags]) == EXIT_OK
