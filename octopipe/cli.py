@@ -825,6 +825,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             "wrote (or Engine.save_checkpoint)")
     if args.save_sharded and not args.save:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
+    if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
+        _writable(save_path(args.save, 0), "--save", directory=args.save_sharded)
     if args.async_save and not args.save_sharded:
         raise OctopipeError("train --async-save: each rank writes its own shard beside training, which needs "
                             "--save DIRECTORY --save-sharded too (as Megatron's --async-save needs its torch_dist "

@@ -1294,6 +1294,12 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert "give --save PATH too" in capsys.readouterr().err
     assert main([*words, "--save-sharded"]) == EXIT_ERROR
     assert "give --save DIRECTORY too" in capsys.readouterr().err
+    # a --save path that cannot be written is refused before the training, not after it
+    for flags, error in (([str(tmp_path / "a.pt"), "--save-sharded"], "exists and is not a folder"),
+                         ([str(tmp_path / "none" / "x.pt")], "does not exist"), ([str(tmp_path / "d")], "is a folder")):
+        assert main([*words, "--save", *flags]) == EXIT_ERROR
+        captured = capsys.readouterr()
+        assert error in captured.err and "step 0" not in captured.out, flags
     assert main([*words, "--save", "x.pt", "--async-save"]) == EXIT_ERROR
     assert "needs --save DIRECTORY --save-sharded too" in capsys.readouterr().err
     assert main([*words, "--resume", "a.pt", "--save", "b.pt", "--save-interval", "5", "--torchrun"]) == EXIT_OK
