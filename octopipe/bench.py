@@ -10,6 +10,7 @@ rank 0 between barriers (median reported), beside the simulator's prediction for
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -139,6 +140,39 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: boo
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
 
 
+@dataclass(frozen=True)
+class LRSchedule:
+    """Megatron's learning-rate schedule (`--lr-warmup-iters`, `--lr-decay-style`,
+    `--lr-decay-iters`, `--min-lr`) as a function of the iterations done before an update: a
+    linear warm-up from 0 to `lr` over `warmup` iterations, then a `style` decay ("constant",
+    "linear" or "cosine") to `min_lr` at `decay_iters`, and `min_lr` after. The update after `k`
+    iterations takes `self(k)` (Megatron's first, with a warm-up, takes 0)."""
+
+    lr: float
+    warmup: int = 0
+    style: str = "constant"
+    decay_iters: int | None = None
+    min_lr: float = 0.0
+
+    def __call__(self, done: int) -> float:
+        if self.warmup > 0 and done <= self.warmup:
+            return self.lr * done / self.warmup
+        if self.style == "constant" or self.decay_iters is None:
+            return self.lr
+        if done > self.decay_iters:
+            return self.min_lr
+        ratio = (done - self.warmup) / (self.decay_iters - self.warmup)
+        coefficient = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coefficient * (self.lr - self.min_lr)
+
+
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Every param group of `optimizer` (None: a rank without one) at `lr`."""
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
 def saves_after(done: int, steps: int, every: int | None) -> bool:
     """Whether `train --save` writes the checkpoint after `done` of its `steps` steps: after the
     last, and with `--save-interval` = `every` after every `every`-th."""
@@ -156,7 +190,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   optimizer: str = "sgd", clip_grad: float | None = None, link: bool = False,
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
-                  save_sharded: bool = False, save_background: bool = False, first_step: int = 0
+                  save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
+                  lr_schedule: LRSchedule | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -181,10 +216,12 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     link_rounds: list[list[float]] = []
     link_buffers = _link_buffers(LINK_SIZES) if link else []
 
-    def after_step(engine: Any, optimizer: Any, update: bool = True) -> None:
+    def after_step(engine: Any, optimizer: Any, update: bool = True, done: int = 0) -> None:
         if update and clip_grad is not None:
             engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
         if update and optimizer is not None:
+            if lr_schedule is not None:  # (`done`: the iterations before this update)
+                set_learning_rate(optimizer, lr_schedule(done))
             optimizer.step()
         engine.zero_grad()  # (the weights', the master copies' and fp32_grads' gradients)
 
@@ -207,8 +244,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             loss = engine.step(inputs, target)
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
-            after_step(engine, optimizer, update=update_in_warmup or step >= warmup)
             done = first_step + step - warmup + 1  # (the iteration, counted on from a resumed checkpoint's)
+            after_step(engine, optimizer, update=update_in_warmup or step >= warmup, done=max(done - 1, 0))
             if save and step >= warmup and saves_after(done, first_step + steps, save_every):
                 # (collective; outside the timed span)
                 engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
@@ -250,7 +287,8 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   clip_grad: float | None = None, update_in_warmup: bool = True, init: Any = None,
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
-                  save_background: bool = False, first_step: int = 0) -> StepTiming:
+                  save_background: bool = False, first_step: int = 0,
+                  lr_schedule: LRSchedule | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -268,11 +306,12 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`),
     with `save_background` by a thread beside the next steps (finished before returning).
     `first_step`: the iterations done before this run (a resumed checkpoint's `iteration`), from
-    which the saves count on: `{step}`, `save_every` and the `iteration` each save keeps."""
+    which the saves count on: `{step}`, `save_every` and the `iteration` each save keeps.
+    `lr_schedule`: each update's learning rate, of the iterations before it (`LRSchedule`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
-                    save_background=save_background, first_step=first_step)[0][0]
+                    save_background=save_background, first_step=first_step, lr_schedule=lr_schedule)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -320,7 +359,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
-             first_step: int = 0
+             first_step: int = 0, lr_schedule: LRSchedule | None = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -334,7 +373,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
-                                                        save_every, save_sharded, save_background, first_step),
+                                                        save_every, save_sharded, save_background, first_step,
+                                                        lr_schedule),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -113,6 +113,8 @@ def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str
 
 _positive_int = _bounded(int, lambda value: value >= 1, "a positive integer")
 _positive_float = _bounded(float, lambda value: 0 < value < math.inf, "a positive number")
+_non_negative_int = _bounded(int, lambda value: value >= 0, "a non-negative integer")
+_non_negative_float = _bounded(float, lambda value: 0 <= value < math.inf, "a non-negative number")
 _effort = _bounded(float, lambda value: 0 < value < 2**80, "a positive number below 2**80 (a factor on the work)")
 _percent = _bounded(float, lambda value: 0 <= value < 100, "a percentage in [0, 100) (2 = 2%)")
 _seed = _bounded(int, lambda value: 0 <= value < 2**63, "a non-negative integer")
@@ -825,6 +827,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             "wrote (or Engine.save_checkpoint)")
     if args.save_sharded and not args.save:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
+    _check_lr_schedule(args)
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         _writable(save_path(args.save, 0), "--save", directory=args.save_sharded)
     if args.async_save and not args.save_sharded:
@@ -920,10 +923,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
                            resume=args.resume, save=args.save, save_every=args.save_interval,
                            save_sharded=args.save_sharded, save_background=args.async_save,
-                           first_step=args.first_step)
+                           first_step=args.first_step, lr_schedule=_lr_schedule(args))
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
-        print(f"step {args.first_step + step}: loss {loss:.5f}  {ms:.1f} ms" + (_skipped_note(timing.loss_scales[step]) if skipped else "")
+        print(f"step {args.first_step + step}: loss {loss:.5f}  {ms:.1f} ms" + _lr_note(args, args.first_step + step) + (_skipped_note(timing.loss_scales[step]) if skipped else "")
               + (_saved_note(args, step) if _saves_at(args, step) else ""))
     if args.save:
         last = save_path(args.save, args.first_step + args.steps)
@@ -965,6 +968,39 @@ def _saved_note(args: argparse.Namespace, step: int) -> str:
     from octopipe.bench import save_path
 
     return f"  (saved to {save_path(args.save, args.first_step + step + 1)})"
+
+
+def _check_lr_schedule(args: argparse.Namespace) -> None:
+    """`train`'s Megatron learning-rate flags: a decay needs its end, after the warm-up, and a
+    floor below the peak."""
+    from octopipe.errors import OctopipeError
+
+    if args.lr_decay_style != "constant" and args.lr_decay_iters is None:
+        raise OctopipeError(f"train --lr-decay-style {args.lr_decay_style}: give --lr-decay-iters D too (the "
+                            "iteration where it reaches --min-lr)")
+    if args.lr_decay_iters is not None and args.lr_decay_style == "constant":
+        raise OctopipeError("train --lr-decay-iters: a constant learning rate does not decay; give --lr-decay-style "
+                            "linear or cosine too")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise OctopipeError(f"train --lr-decay-iters {args.lr_decay_iters}: the decay must end after the warm-up "
+                            f"(--lr-warmup-iters {args.lr_warmup_iters})")
+    if args.min_lr > args.lr:
+        raise OctopipeError(f"train --min-lr {args.min_lr:g}: above --lr {args.lr:g}; give a floor below the peak")
+
+
+def _lr_schedule(args: argparse.Namespace) -> Any:
+    """`train`'s `bench.LRSchedule`, or None for a constant --lr."""
+    from octopipe.bench import LRSchedule
+
+    if not args.lr_warmup_iters and args.lr_decay_style == "constant":
+        return None
+    return LRSchedule(args.lr, args.lr_warmup_iters, args.lr_decay_style, args.lr_decay_iters, args.min_lr)
+
+
+def _lr_note(args: argparse.Namespace, done: int) -> str:
+    """What a step line adds under a schedule: the learning rate its update took."""
+    schedule = _lr_schedule(args)
+    return f"  lr {schedule(done):.4g}" if schedule is not None else ""
 
 
 def _resumed_iteration(extra: dict[str, Any], path: str) -> int:
@@ -1144,7 +1180,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
 
     import octopipe
     from octopipe import models
-    from octopipe.bench import attached_optimizer, save_path
+    from octopipe.bench import attached_optimizer, save_path, set_learning_rate
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime.amp import LossScaler
 
@@ -1222,11 +1258,14 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         if args.clip_grad is not None:
             engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
+            schedule = _lr_schedule(args)
+            if schedule is not None:
+                set_learning_rate(optimizer, schedule(args.first_step + step))
             optimizer.step()
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
         if rank == 0:
-            print(f"step {args.first_step + step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms"
+            print(f"step {args.first_step + step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms" + _lr_note(args, args.first_step + step)
                   + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
                      if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
         if _saves_at(args, step):
@@ -1298,6 +1337,10 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
+    words += ["--lr-warmup-iters", str(args.lr_warmup_iters)] if args.lr_warmup_iters else []
+    if args.lr_decay_style != "constant":
+        words += ["--lr-decay-style", args.lr_decay_style, "--lr-decay-iters", str(args.lr_decay_iters)]
+    words += ["--min-lr", str(args.min_lr)] if args.min_lr else []
     words += ["--autocast", args.autocast] if args.autocast else []
     words += [word for flag, name, _ in LOSS_SCALING if getattr(args, name) is not None
               for word in (flag, str(getattr(args, name)))]
@@ -1633,7 +1676,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=_positive_int, default=5)
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (positive)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (positive; the peak of a schedule)")
+    p.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0, metavar="W",
+                   help="warm the learning rate up linearly from 0 to --lr over the first W iterations (Megatron's "
+                        "flag; counted on from a --resume checkpoint's iteration)")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
+                   help="after the warm-up, decay the learning rate to --min-lr at --lr-decay-iters (Megatron's "
+                        "flag; default constant)")
+    p.add_argument("--lr-decay-iters", type=_positive_int, default=None, metavar="D",
+                   help="the iteration where a linear or cosine decay reaches --min-lr (it stays there after)")
+    p.add_argument("--min-lr", type=_non_negative_float, default=0.0, help="the learning rate a decay ends at")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")

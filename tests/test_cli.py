@@ -1353,3 +1353,45 @@ def test_checkpoint_shows_a_sharded_directory_and_writes_it_as_one_file(tmp_path
     assert "give --weights-only too" in capsys.readouterr().err
     assert main(["checkpoint", str(tmp_path / "none")]) == EXIT_ERROR
     assert f"checkpoint {tmp_path / 'none'}: init checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_train_learning_rate_schedule_counts_on_across_a_resume_and_under_torchrun(tmp_path, capsys):
+    # Megatron's --lr-warmup-iters / --lr-decay-style / --lr-decay-iters / --min-lr: the first
+    # update (warm-up) takes lr 0, so step 1's loss is step 0's; the schedule follows the
+    # iteration, so a run resumed at iteration 2 takes the rates the whole run took there
+    words = ["train", "--model", "llama", "--optimizer", "adamw", "--lr", "0.01", "--schedule", "1f1b", "--quiet",
+             "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--lr-decay-iters", "4", "--min-lr", "0.001"]
+
+    def lines(*extra):
+        assert main([*words, *extra]) == EXIT_OK
+        return [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+    whole = lines("--steps", "4")
+    assert [line[-1] for line in whole] == ["0", "0.005", "0.01", "0.0055"]
+    assert whole[0][3] == whole[1][3] and whole[2][3] != whole[1][3]
+    assert [line[3] for line in lines("--steps", "2", "--save", str(tmp_path / "a.pt"))] == [w[3] for w in whole[:2]]
+    resumed = lines("--steps", "2", "--resume", str(tmp_path / "a.pt"))
+    assert [(line[1], line[3], line[-1]) for line in resumed] == [(w[1], w[3], w[-1]) for w in whole[2:]]
+    proc = _torchrun([*words, "--steps", "4", "--nprocs", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("step ")] == [w[3] for w in whole]
+    for extra, error in ((["--lr-decay-style", "linear"], "give --lr-decay-iters D too"),
+                         (["--lr-decay-iters", "5"], "a constant learning rate does not decay"),
+                         (["--lr-warmup-iters", "5", "--lr-decay-style", "linear", "--lr-decay-iters", "5"],
+                          "must end after the warm-up"),
+                         (["--min-lr", "0.1"], "above --lr")):
+        assert main(["train", "--model", "llama", "--lr", "0.01", *extra]) == EXIT_ERROR
+        assert error in capsys.readouterr().err, extra
+
+
+def test_the_learning_rate_schedule_is_megatrons():
+    from octopipe.bench import LRSchedule
+
+    assert [LRSchedule(1.0)(k) for k in (0, 5)] == [1.0, 1.0]
+    warm = LRSchedule(1.0, warmup=4)
+    assert [warm(k) for k in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    linear = LRSchedule(1.0, warmup=2, style="linear", decay_iters=6, min_lr=0.2)
+    assert [linear(k) for k in (2, 3, 4, 6, 7, 100)] == pytest.approx([1.0, 0.8, 0.6, 0.2, 0.2, 0.2])
+    cosine = LRSchedule(1.0, style="cosine", decay_iters=4)
+    assert [cosine(k) for k in (0, 1, 2, 3, 4, 5)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466, 0.0, 0.0])
