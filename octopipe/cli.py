@@ -829,6 +829,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
     _check_lr_schedule(args)
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
+        if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
+            raise OctopipeError(f"train --save {args.save}: is a folder; give a file name, or --save-sharded too "
+                                "(every rank then writes its own file into the folder)")
         _writable(save_path(args.save, 0), "--save", directory=args.save_sharded)
     if args.async_save and not args.save_sharded:
         raise OctopipeError("train --async-save: each rank writes its own shard beside training, which needs "
@@ -1540,8 +1543,10 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             print(f"loss scale: {state['loss_scaler'].get('scale')}")
         if state.get("random"):
             print(f"dropout streams: {len(state['random'])} stage(s)")
-        if isinstance(state.get("extra"), dict):
-            print(f"the loop's own state: {', '.join(map(str, state['extra'])) or 'none'}")
+        if isinstance(state.get("extra"), dict):  # (numbers and strings shown, the rest named)
+            print("the loop's own state: " + (", ".join(
+                f"{key} {value}" if isinstance(value, (int, float, str)) else str(key)
+                for key, value in state["extra"].items()) or "none"))
         return EXIT_OK
     if args.weights_only:
         out: Any = {name: (saved_master(state, name) if args.fp32 and name in masters else value)

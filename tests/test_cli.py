@@ -1296,7 +1296,8 @@ def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(t
     assert "give --save DIRECTORY too" in capsys.readouterr().err
     # a --save path that cannot be written is refused before the training, not after it
     for flags, error in (([str(tmp_path / "a.pt"), "--save-sharded"], "exists and is not a folder"),
-                         ([str(tmp_path / "none" / "x.pt")], "does not exist"), ([str(tmp_path / "d")], "is a folder")):
+                         ([str(tmp_path / "none" / "x.pt")], "does not exist"),
+                         ([str(tmp_path / "d")], "is a folder; give a file name, or --save-sharded too")):
         assert main([*words, "--save", *flags]) == EXIT_ERROR
         captured = capsys.readouterr()
         assert error in captured.err and "step 0" not in captured.out, flags
@@ -1327,7 +1328,7 @@ def test_checkpoint_shows_a_sharded_directory_and_writes_it_as_one_file(tmp_path
     assert re.search(r"^model: \d+ tensors, [\d,]+ bfloat16$", out, re.MULTILINE), out
     assert re.search(r"^optimizer: state for \d+ parameters \(exp_avg, exp_avg_sq, step\), 1 param group\(s\); "
                      r"fp32 master copies of \d+$", out, re.MULTILINE), out
-    assert "dropout streams: 4 stage(s)" in out
+    assert "dropout streams: 4 stage(s)" in out and "the loop's own state: iteration 2" in out
     state = checkpoint_state(str(folder), 0)
     # one file: the whole state, as train --save (gathered) writes it, which --resume reads
     assert main(["checkpoint", str(folder), "-o", str(tmp_path / "one.pt")]) == EXIT_OK
