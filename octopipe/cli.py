@@ -917,10 +917,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # loss is the starting model's, as under torchrun
     # with master weights the engines also start their fp32 copies from the checkpoint's
     if args.resume:
-        from octopipe.runtime.materialize import checkpoint_state
+        from octopipe.runtime.materialize import saved_extra
 
-        resumed = checkpoint_state(args.resume, 0) or {}  # (memory-mapped: only its saved iteration is read)
-        args.first_step = _resumed_iteration(dict(resumed.get("extra") or {}), args.resume)
+        args.first_step = _resumed_iteration(saved_extra(args.resume, 0), args.resume)  # (the workers load the rest)
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
@@ -1255,13 +1254,13 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     if first is not None:
         print(first.dump("plan"), flush=True)
     step_ms = []
+    schedule = _lr_schedule(args)
     for step in range(args.steps):
         start = time.perf_counter()
         loss = engine.step(inputs, target)
         if args.clip_grad is not None:
             engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
-            schedule = _lr_schedule(args)
             if schedule is not None:
                 set_learning_rate(optimizer, schedule(args.first_step + step))
             optimizer.step()
@@ -1515,12 +1514,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     masters = sorted(name for name, entry in entries.items() if isinstance(entry, dict) and MASTER_KEY in entry)
     if args.output is None:
         if sharded:
-            import json
+            from octopipe.runtime.materialize import sharded_index
 
-            from octopipe.runtime.engine import SHARDED_INDEX
-
-            with open(os.path.join(args.path, SHARDED_INDEX), encoding="utf-8") as handle:
-                index = json.load(handle)
+            index = sharded_index(args.path, 0)  # (checked by checkpoint_state above)
             print(f"{args.path}: a sharded checkpoint, {len(index['files'])} shards written by {index['world_size']} "
                   "ranks")
         else:

@@ -1438,7 +1438,7 @@ class Engine:
                     piece.copy_(flat[offset:offset + piece.numel()].view_as(piece))
                 offset += piece.numel()
                 reduced.add(name)
-        for name in reduced - set(self._mine):  # others' alone: only partly summed here, and they step it
+        for name in reduced - self._mine.keys():  # others' alone: only partly summed here, and they step it
             self._set_grad(name, None)
         self._bucket_work = []
 
@@ -1604,7 +1604,7 @@ class Engine:
         token = [uuid.uuid4().hex[:12]]
         if collective:  # (one name for the save, rank 0's, so the index can tell its shards from older ones)
             dist.broadcast_object_list(token, src=0)
-        name = f"shard-{token[0]}-rank{self.rank:05d}-of{self.world_size:05d}.pt"
+        name = _shard_file(token[0], self.rank, self.world_size)
         errors: list[BaseException] = []
 
         def write(shard: Any) -> None:
@@ -1663,7 +1663,7 @@ class Engine:
                                  "give a directory that can be created and written") from None
         index_error = None
         if self.rank == 0:  # the index last: it names a complete save
-            files = [f"shard-{token}-rank{rank:05d}-of{self.world_size:05d}.pt" for rank in range(self.world_size)]
+            files = [_shard_file(token, rank, self.world_size) for rank in range(self.world_size)]
             try:
                 temporary = os.path.join(path, f".{SHARDED_INDEX}.tmp-{os.getpid()}")
                 with open(temporary, "w", encoding="utf-8") as handle:
@@ -1717,27 +1717,27 @@ def _check_extra(value: Any, where: str, rank: int) -> None:
                         "them (a scheduler's state_dict() without its functions, say)")
 
 
+def _map_tensors(value: Any, function: Callable[[Tensor], Tensor]) -> Any:
+    """`value` with `function` applied to every tensor in it (through dicts, lists, tuples)."""
+    if isinstance(value, Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, function) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(v, function) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, function) for v in value)
+    return value
+
+
 def _cloned(value: Any) -> Any:
     """`value` with every tensor in it cloned."""
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
+    return _map_tensors(value, Tensor.clone)
 
 
 def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(v) for v in value)
-    return value
+    """`value` with every tensor in it detached and on the CPU (itself where it is there)."""
+    return _map_tensors(value, lambda tensor: tensor.detach().cpu())
 
 
 _STAND_IN = "_octopipe_stand_in"
@@ -1812,6 +1812,11 @@ SHARDED_INDEX = "octopipe-checkpoint.json"
 sharded=True)`): {"format": SHARDED_FORMAT, "world_size": N, "files": [one shard per rank]}."""
 
 SHARDED_FORMAT = "octopipe sharded checkpoint 1"
+
+
+def _shard_file(token: str, rank: int, world_size: int) -> str:
+    """The file of rank `rank`'s shard in the sharded save named `token`."""
+    return f"shard-{token}-rank{rank:05d}-of{world_size:05d}.pt"
 
 ROWS_KEY = "rows"
 """Where a sharded engine's named optimizer state marks an entry that holds some rows of its

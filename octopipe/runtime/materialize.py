@@ -151,9 +151,38 @@ def _read_file(path: str, rank: int) -> Any:
 def _read_sharded(path: str, rank: int) -> Any:
     """A sharded checkpoint's directory (`Engine.save_checkpoint(path, sharded=True)`): its
     index's shards, each read as a file, merged into one state (`merge_state_dicts`)."""
+    from octopipe.runtime.engine import merge_state_dicts
+
+    shards = []
+    for name in sharded_index(path, rank)["files"]:
+        shard = _read_file(os.path.join(path, name), rank) if os.path.isfile(os.path.join(path, name)) else None
+        if not isinstance(shard, Mapping) or not isinstance(shard.get("model"), Mapping):
+            raise ExecutionError(f"rank {rank}: checkpoint {path!r}: its index names {name!r}, which is "
+                                 + ("missing" if shard is None else "not a shard of Engine.save_checkpoint") +
+                                 "; the directory is incomplete: save it again, or give another checkpoint")
+        shards.append(shard)
+    return merge_state_dicts(shards)
+
+
+def saved_extra(path: str, rank: int) -> dict[str, Any]:
+    """The training loop's state a checkpoint keeps (`Engine.save_checkpoint(extra=...)`), read
+    alone: from a file (memory-mapped), or from a sharded directory's rank-0 shard, which holds
+    it, without merging the others. Empty where it has none."""
+    if os.path.isdir(path):
+        files = sharded_index(path, rank)["files"]
+        state = _read_file(os.path.join(path, files[0]), rank) if files else {}
+    else:
+        state = checkpoint_state(path, rank) or {}
+    extra = state.get("extra") if isinstance(state, Mapping) else None
+    return dict(extra) if isinstance(extra, Mapping) else {}
+
+
+def sharded_index(path: str, rank: int) -> dict[str, Any]:
+    """A sharded checkpoint directory's index (`SHARDED_INDEX`: format, world size, the shards'
+    file names), checked."""
     import json
 
-    from octopipe.runtime.engine import SHARDED_FORMAT, SHARDED_INDEX, merge_state_dicts
+    from octopipe.runtime.engine import SHARDED_FORMAT, SHARDED_INDEX
 
     index_path = os.path.join(path, SHARDED_INDEX)
     try:
@@ -171,15 +200,7 @@ def _read_sharded(path: str, rank: int) -> Any:
         raise ExecutionError(f"rank {rank}: checkpoint {path!r}: its {SHARDED_INDEX} is not an index of "
                              f"{SHARDED_FORMAT!r} (format, world_size and a list of file names); give a directory "
                              "Engine.save_checkpoint(path, sharded=True) wrote")
-    shards = []
-    for name in files:
-        shard = _read_file(os.path.join(path, name), rank) if os.path.isfile(os.path.join(path, name)) else None
-        if not isinstance(shard, Mapping) or not isinstance(shard.get("model"), Mapping):
-            raise ExecutionError(f"rank {rank}: checkpoint {path!r}: its index names {name!r}, which is "
-                                 + ("missing" if shard is None else "not a shard of Engine.save_checkpoint") +
-                                 "; the directory is incomplete: save it again, or give another checkpoint")
-        shards.append(shard)
-    return merge_state_dicts(shards)
+    return index
 
 
 def load_named(tensors: Iterable[tuple[str, torch.Tensor, bool]], values: Mapping[str, Any], rank: int,
