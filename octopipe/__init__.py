@@ -8,6 +8,7 @@ from octopipe.errors import (
     ArgumentError,
     ClusterSpecError,
     CostTableError,
+    DataError,
     ExecutionError,
     InfeasibleError,
     OctopipeError,
@@ -27,11 +28,11 @@ __all__ = [
     "ClusterSpec", "CostTable", "LayerCost", "LayerGraph", "Op", "PipelinePlan", "RankProgram", "Stage",
     "MemoryModel", "Pipeline", "PlanResult", "SimResult", "compile", "plan", "plan_data_parallel", "simulate", "schedules", "profiles", "trace", "runtime",
     "OctopipeError", "ArgumentError", "ParseError", "ClusterSpecError", "CostTableError", "TraceError", "PlanError",
-    "InfeasibleError", "VerificationError", "ExecutionError", "OctopipeWarning",
+    "InfeasibleError", "VerificationError", "ExecutionError", "DataError", "OctopipeWarning",
 ]
 
 
-_LAZY_MODULES = ("runtime", "bench", "models", "viz", "demo", "solver", "tuner", "report", "passes")
+_LAZY_MODULES = ("runtime", "bench", "data", "models", "viz", "demo", "solver", "tuner", "report", "passes")
 """Submodules imported on first use (`octopipe.bench.runtime_profile(...)` after `import octopipe`):
 some pull in torch.distributed or matplotlib, which `import octopipe` alone should not."""
 

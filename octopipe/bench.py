@@ -52,6 +52,9 @@ class StepTiming:
     without loss scaling."""
     skipped: tuple[bool, ...] = ()
     """Per timed step: whether the engines dropped its gradients (`Engine.skipped_step`)."""
+    evaluations: tuple[tuple[int, float], ...] = ()
+    """With validation data (`octopipe.data.TrainingData`): (iterations done, validation loss)
+    after each evaluation, outside the timed steps."""
 
     @property
     def median_ms(self) -> float:
@@ -191,7 +194,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
                   save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
-                  lr_schedule: LRSchedule | None = None
+                  lr_schedule: LRSchedule | None = None, data: Any = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -209,6 +212,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     losses: list[list[float]] = [[] for _ in pipes]
     scales: list[list[float | None]] = [[] for _ in pipes]
     skipped: list[list[bool]] = [[] for _ in pipes]
+    evaluations: list[list[tuple[int, float]]] = [[] for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
     op_spans: list[list[dict[tuple[str, int, int], float]]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
@@ -232,8 +236,12 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
         if before and step == warmup:
             for engine, state in zip(engines, before):
                 engine.load_state_dict(state)
+        # with token data, each step its own batch (the warm-up the first step's), each replica its share
+        iteration = first_step + max(step - warmup, 0)
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
+            if data is not None:
+                inputs, target = data.train.batch(iteration, engine.replicas.replica)
             probe = index < len(probes) and probes[index] and step >= warmup
             if rewarm:
                 engine.step(inputs, target)
@@ -250,6 +258,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 # (collective; outside the timed span)
                 engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
                                        extra={"iteration": done})
+            if data is not None and step >= warmup and data.evaluates_after(done, first_step + steps):
+                evaluations[index].append((done, data.evaluate(engine)))  # (collective; outside the timed span)
             if step >= warmup:
                 times[index].append(elapsed)
                 losses[index].append(float(loss))
@@ -278,8 +288,10 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
-    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk))
-            for t, values, b, o, sc, sk in zip(times, losses, busy, op_spans, scales, skipped)], durations, link_rounds
+    return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
+                       tuple(ev))
+            for t, values, b, o, sc, sk, ev in zip(times, losses, busy, op_spans, scales, skipped, evaluations)
+            ], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -288,7 +300,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
                   save_background: bool = False, first_step: int = 0,
-                  lr_schedule: LRSchedule | None = None) -> StepTiming:
+                  lr_schedule: LRSchedule | None = None, data: Any = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -307,11 +319,15 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     with `save_background` by a thread beside the next steps (finished before returning).
     `first_step`: the iterations done before this run (a resumed checkpoint's `iteration`), from
     which the saves count on: `{step}`, `save_every` and the `iteration` each save keeps.
-    `lr_schedule`: each update's learning rate, of the iterations before it (`LRSchedule`)."""
+    `lr_schedule`: each update's learning rate, of the iterations before it (`LRSchedule`).
+    `data`: an `octopipe.data.TrainingData`: each step trains on its iteration's batch of token
+    data (each replica its share; the warm-up on the first step's) instead of `inputs` and
+    `target`, and its validation set is evaluated where it says (the timing's `evaluations`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
-                    save_background=save_background, first_step=first_step, lr_schedule=lr_schedule)[0][0]
+                    save_background=save_background, first_step=first_step, lr_schedule=lr_schedule,
+                    data=data)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -359,7 +375,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
-             first_step: int = 0, lr_schedule: LRSchedule | None = None
+             first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -374,7 +390,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
                                                         save_every, save_sharded, save_background, first_step,
-                                                        lr_schedule),
+                                                        lr_schedule, data),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

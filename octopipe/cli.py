@@ -828,6 +828,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.save_sharded and not args.save:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
     _check_lr_schedule(args)
+    _check_data_flags(args)
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
             raise OctopipeError(f"train --save {args.save}: is a folder; give a file name, or --save-sharded too "
@@ -875,6 +876,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cluster = _cluster(args, default=f"cpux{args.nprocs}", devices=args.nprocs, flag="--nprocs", whole="train")
     model, inputs, target, loss_fn = _load_model(args)
     _need_target(args, target)
+    data = _token_data(args, model, inputs, target)
     if any(param.is_meta for param in model.parameters()):
         raise OctopipeError(f"train --model {args.model}: the model is on the meta device; local training needs a "
                             "real one (a meta model trains under torchrun, each rank creating its own stages)")
@@ -904,7 +906,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                     + ("broadcast beside the next step" if pipe.overlap_param_gather else "broadcast after the step"))
                    if pipe.shard_optimizer else "")
         print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
-              f"processes), each on the same batch here; summing their gradients takes up to "
+              f"processes), {'each on its own share of every step' if data else 'each on the same batch here'}; summing their gradients takes up to "
               f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction){sharded}")
     if pipe.master_weights and args.fp16_weights:
         print("fp16 weights; the optimizer steps fp32 copies of them, the loss scaled dynamically and the gradients "
@@ -913,6 +915,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("bf16 weights; the optimizer steps fp32 copies of them (--bf16-weights); "
               + ("the gradients accumulated, summed and clipped in fp32" if pipe.fp32_grads else
                  "bf16 gradients (--grad-reduce-in-bf16)"))
+    if data is not None:
+        print(_describe_data(data))
     # one warm-up step first, untimed and without an update: `--steps N` is N updates, and step 0's
     # loss is the starting model's, as under torchrun
     # with master weights the engines also start their fp32 copies from the checkpoint's
@@ -925,11 +929,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
                            resume=args.resume, save=args.save, save_every=args.save_interval,
                            save_sharded=args.save_sharded, save_background=args.async_save,
-                           first_step=args.first_step, lr_schedule=_lr_schedule(args))
+                           first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data)
+    evaluations = dict(timing.evaluations)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         print(f"step {args.first_step + step}: loss {loss:.5f}  {ms:.1f} ms" + _lr_note(args, args.first_step + step) + (_skipped_note(timing.loss_scales[step]) if skipped else "")
               + (_saved_note(args, step) if _saves_at(args, step) else ""))
+        done = args.first_step + step + 1
+        if done in evaluations:
+            print(_evaluation_line(done, evaluations[done]))
     if args.save:
         last = save_path(args.save, args.first_step + args.steps)
         print(f"saved the checkpoint to {last} (train --resume {last} continues from it)")
@@ -1141,6 +1149,91 @@ CANDIDATE_STEPS = 3
 
 
 AUTOCAST_CHOICES = ("bf16", "fp16")
+
+DATA_DTYPES = ("uint16", "uint32", "int32", "int64")
+"""`--data-dtype`'s choices: `octopipe.data.DTYPES`, named here so that the parser does not
+import numpy and torch."""
+DATA_SEED = 1234
+"""`--data-seed`'s default (Megatron's --seed)."""
+EVAL_ITERS = 4
+"""`--eval-iters`' default."""
+
+
+def _check_data_flags(args: argparse.Namespace) -> None:
+    """--data's and --eval-data's companions given without them, refused before any model is
+    built; locally, the files must exist (a printed torchrun line's are the cluster's)."""
+    from octopipe.errors import OctopipeError
+
+    if args.data is None:
+        given = [flag for flag, value in (("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
+                                          ("--eval-data", args.eval_data)) if value is not None]
+        if given:
+            raise OctopipeError(f"train {given[0]}: applies to --data FILE (the token ids to train on); give --data "
+                                "too")
+    if args.eval_data is None:
+        given = [flag for flag, value in (("--eval-interval", args.eval_interval), ("--eval-iters", args.eval_iters))
+                 if value is not None]
+        if given:
+            raise OctopipeError(f"train {given[0]}: applies to --eval-data FILE (the validation tokens); give "
+                                "--eval-data too")
+    if not args.torchrun:
+        for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+            if path is not None and not os.path.isfile(path):
+                raise OctopipeError(f"train {flag} {path}: no such file; give a file of token ids (a raw binary "
+                                    "stream, or a .npy array)")
+
+
+def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any, open_files: bool = True,
+                scan: bool = True) -> Any:
+    """--data's batches (an `octopipe.data.TrainingData`) for this model, None without --data.
+    The model must take one tensor of token ids [batch, sequence] and a target of the same shape
+    (the next ids); its example batch gives the sequence length and each replica's batch size.
+    `open_files=False`: check the model alone (the files are elsewhere). `scan`: read both files
+    through once for token ids outside the model's vocabulary (one rank of a job does)."""
+    import torch
+
+    from octopipe.errors import OctopipeError
+
+    if args.data is None:
+        return None
+    ids = inputs[0] if len(inputs) == 1 else None
+    integer = [t is not None and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+               for t in (ids, target)]
+    if not (all(integer) and ids.dim() == 2 and tuple(target.shape) == tuple(ids.shape)):
+        takes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs)
+        aim = f"{tuple(target.shape)} {str(target.dtype).replace('torch.', '')}" if target is not None else "none"
+        raise OctopipeError(f"train --data: --model {args.model} takes inputs {takes} and target {aim}; --data feeds "
+                            "token models only: one input of token ids [batch, sequence] and a target of the next ids, "
+                            "of the same shape (a model of other inputs trains on its own batches through the API: "
+                            "Engine.step(inputs, target))")
+    if not open_files:
+        return None
+    from octopipe.data import TokenBatches, TrainingData, vocabulary_size
+
+    batch, seq_len = (int(n) for n in ids.shape)
+    common: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch, replicas=args.data_parallel,
+                                  dtype=args.data_dtype, vocab_size=vocabulary_size(model))
+    train = TokenBatches(args.data, seed=DATA_SEED if args.data_seed is None else args.data_seed, what="--data",
+                         **common)
+    valid = TokenBatches(args.eval_data, shuffle=False, what="--eval-data", **common) if args.eval_data else None
+    if scan:
+        for data in (train, valid):
+            if data is not None:
+                data.check_vocabulary()
+    return TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters)
+
+
+def _describe_data(data: Any) -> str:
+    lines = [f"data: {data.train.describe()}"]
+    if data.valid is not None:
+        every = f"every {data.eval_interval} steps and " if data.eval_interval else ""
+        lines.append(f"validation: {data.valid.describe()}; the first {data.eval_iters} "
+                     f"batch{'es' if data.eval_iters > 1 else ''} evaluated {every}after the last step")
+    return "\n".join(lines)
+
+
+def _evaluation_line(done: int, loss: float) -> str:
+    return f"validation after {done} steps: loss {loss:.5f}  perplexity {math.exp(min(loss, 700.0)):.5g}"
 """`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
 
 
@@ -1198,10 +1291,15 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
     examples, example_target = _examples(inputs, target, on_meta)
+    data = _token_data(args, model, inputs, target, scan=False)
     plan_text: list[Any] = [None]
     first = None
     if rank == 0:
         try:
+            if data is not None:  # (a pass over the files: on one rank, before any trains)
+                for tokens in (data.train, data.valid):
+                    if tokens is not None:
+                        tokens.check_vocabulary()
             planning, costs = cluster, "profile" if args.profile else "analytic"
             if args.profile and device.type == "cpu" and not on_meta:
                 # CPU ranks: measured inside pipelined steps on processes of this node, as local
@@ -1253,9 +1351,13 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         args.first_step = _resumed_iteration(engine.load_checkpoint(args.resume), args.resume)
     if first is not None:
         print(first.dump("plan"), flush=True)
+        if data is not None:
+            print(_describe_data(data), flush=True)
     step_ms = []
     schedule = _lr_schedule(args)
     for step in range(args.steps):
+        if data is not None:  # (each replica its share of the iteration's batch)
+            inputs, target = data.train.batch(args.first_step + step, engine.replicas.replica)
         start = time.perf_counter()
         loss = engine.step(inputs, target)
         if args.clip_grad is not None:
@@ -1274,6 +1376,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, args.first_step + step + 1), sharded=args.save_sharded,
                                    background=args.async_save, extra={"iteration": args.first_step + step + 1})
+        done = args.first_step + step + 1
+        if data is not None and data.evaluates_after(done, args.first_step + args.steps):
+            loss = data.evaluate(engine)  # (collective)
+            if rank == 0:
+                print(_evaluation_line(done, loss), flush=True)
     engine.finish_checkpoint()  # (a background save's index: collective)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
@@ -1332,6 +1439,9 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += [word for item in args.set or () for word in ("--set", item)]
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
+                        ("--data", args.data), ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
+                        ("--eval-data", args.eval_data), ("--eval-interval", args.eval_interval),
+                        ("--eval-iters", args.eval_iters),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
@@ -1377,7 +1487,8 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     from octopipe.errors import OctopipeError
 
     missing = [f"{flag} {path}" for flag, path in (("--cluster", args.cluster), ("--plan", args.plan),
-                                                    ("--init", args.init))
+                                                    ("--init", args.init), ("--data", args.data),
+                                                    ("--eval-data", args.eval_data))
                if path and not Path(path).exists() and (flag != "--cluster" or ClusterSpec.names_file(path))]
     if missing:
         print(f"note: {', '.join(missing)}: not on this machine, so not checked here; every rank reads it where it "
@@ -1405,6 +1516,9 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     if on_meta:
         inputs, target = _real_batch(args, inputs, target)
     examples, example_target = _examples(inputs, target, on_meta)
+    _token_data(args, model, inputs, target,
+                open_files=not any(f"{flag} {path}" in missing for flag, path in (("--data", args.data),
+                                                                                   ("--eval-data", args.eval_data))))
     plan_ = None
     if args.plan and f"--plan {args.plan}" not in missing:
         from octopipe.api import _warn_planned_elsewhere, load_saved_plan
@@ -1677,6 +1791,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--data", metavar="FILE", default=None,
+                   help="train on the token ids in FILE instead of the model's one example batch: a raw binary "
+                        "stream (uint16 unless --data-dtype, as Megatron's and nanoGPT's preprocessing write) or a "
+                        ".npy array, memory-mapped; cut into sequences of --seq-len + 1 tokens (input, and the next "
+                        "token as target), shuffled per epoch (--data-seed), each step the next --batch-size per "
+                        "replica (every replica its own); a resumed run reads on from its iteration. For token "
+                        "models: one input of ids, the next ids as target")
+    p.add_argument("--data-dtype", choices=tuple(DATA_DTYPES), default=None,
+                   help="the token type of a raw --data / --eval-data file (default uint16; a .npy names its own)")
+    p.add_argument("--data-seed", type=_non_negative_int, default=None, metavar="S",
+                   help="the shuffle's seed: epoch e's order is a permutation drawn from S + e (default 1234, "
+                        "Megatron's --seed)")
+    p.add_argument("--eval-data", metavar="FILE", default=None,
+                   help="with --data: validation tokens; after the last step (and every --eval-interval steps) the "
+                        "loss over the first --eval-iters batches of FILE in file order, forwards only with dropout "
+                        "off (Engine.evaluate), with its perplexity")
+    p.add_argument("--eval-interval", type=_positive_int, default=None, metavar="N",
+                   help="with --eval-data: also evaluate after every N-th step, counted over the whole run "
+                        "(Megatron's --eval-interval)")
+    p.add_argument("--eval-iters", type=_positive_int, default=None, metavar="K",
+                   help="with --eval-data: the batches each evaluation reads (default 4; Megatron's --eval-iters)")
     p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (positive; the peak of a schedule)")
     p.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0, metavar="W",
                    help="warm the learning rate up linearly from 0 to --lr over the first W iterations (Megatron's "

@@ -51,6 +51,10 @@ class ExecutionError(OctopipeError):
     """A pipeline step failed at run time (a peer died or stalled, a worker raised)."""
 
 
+class DataError(OctopipeError):
+    """A training data file is unreadable or does not fit the model (its size, dtype or token ids)."""
+
+
 class OctopipeWarning(UserWarning):
     """Something runs, but not as a user of plain PyTorch might expect (for example a buffer
     updated once per microbatch instead of once per batch)."""

@@ -1396,3 +1396,129 @@ def test_the_learning_rate_schedule_is_megatrons():
     assert [linear(k) for k in (2, 3, 4, 6, 7, 100)] == pytest.approx([1.0, 0.8, 0.6, 0.2, 0.2, 0.2])
     cosine = LRSchedule(1.0, style="cosine", decay_iters=4)
     assert [cosine(k) for k in (0, 1, 2, 3, 4, 5)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466, 0.0, 0.0])
+
+
+def _token_files(tmp_path):
+    """A training stream that repeats a pattern (so the loss can fall) and a validation stream."""
+    import numpy as np
+
+    base = np.random.default_rng(0).integers(0, 256, size=50).astype(np.uint16)
+    stream = np.concatenate([np.roll(base, k) for k in range(120)])
+    stream.tofile(tmp_path / "train.bin")
+    np.save(tmp_path / "valid.npy", stream[:3000].astype(np.int32))
+    return tmp_path / "train.bin", tmp_path / "valid.npy"
+
+
+def _plain_on_token_data(start, train, valid, replicas, steps, eval_every):
+    """Single-process AdamW on the same global batches: the losses and the validation losses."""
+    import torch
+
+    from octopipe import models
+    from octopipe.data import TokenBatches
+
+    model = models.build("llama", "tiny")
+    model.load_state_dict(torch.load(start)["model"])
+    batches = TokenBatches(str(train), seq_len=32, batch_size=8, replicas=replicas)
+    checks = TokenBatches(str(valid), seq_len=32, batch_size=8, replicas=replicas, shuffle=False)
+
+    def whole(data, k):  # the replicas' shares, in replica order: one global batch
+        parts = [data.batch(k, r) for r in range(replicas)]
+        return torch.cat([inputs for (inputs,), _ in parts]), torch.cat([target for _, target in parts])
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses, evaluations = [], {}
+    for k in range(steps):
+        inputs, target = whole(batches, k)
+        loss = models.lm_loss(model(inputs), target)
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if (k + 1) % eval_every == 0 or k + 1 == steps:
+            with torch.no_grad():
+                evaluations[k + 1] = sum(models.lm_loss(model(x), y).item() for x, y in
+                                         (whole(checks, j) for j in range(4))) / 4
+    return losses, evaluations
+
+
+def _losses_and_evaluations(out):
+    losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", out, re.MULTILINE)]
+    evaluations = {int(done): float(loss) for done, loss in
+                   re.findall(r"^validation after (\d+) steps: loss ([\d.]+)  perplexity [\d.e+]+$", out, re.MULTILINE)}
+    return losses, evaluations
+
+
+@pytest.mark.timeout(300)
+def test_train_on_token_data_equals_plain_training_on_the_same_batches(tmp_path, capsys):
+    # Megatron's --data-path / --eval-interval / --eval-iters: every step its own batch of the
+    # file, shuffled per epoch, each replica its own share; validation in file order
+    import torch
+
+    from octopipe import models
+
+    train, valid = _token_files(tmp_path)
+    torch.manual_seed(5)
+    torch.save({"model": models.build("llama", "tiny").state_dict()}, tmp_path / "start.pt")
+    words = ["train", "--model", "llama", "--data", str(train), "--eval-data", str(valid), "--eval-interval", "2",
+             "--steps", "3", "--lr", "0.01", "--optimizer", "adamw", "--schedule", "zb-h1", "--quiet",
+             "--init", str(tmp_path / "start.pt")]
+    for replicas in (1, 2):
+        assert main([*words, "--data-parallel", str(replicas)]) == EXIT_OK
+        out = capsys.readouterr().out
+        assert (f"data: {train}: 6,000 uint16 tokens, 187 sequences of 32 + 1; {8 * replicas} a step"
+                + (" (2 replicas x 8)" if replicas > 1 else "")) in out
+        assert "validation: " in out and "the first 4 batches evaluated every 2 steps and after the last step" in out
+        losses, evaluations = _losses_and_evaluations(out)
+        expected, expected_evaluations = _plain_on_token_data(tmp_path / "start.pt", train, valid, replicas, 3, 2)
+        assert losses == pytest.approx(expected, abs=2e-5) and len(set(losses)) == 3
+        assert sorted(evaluations) == [2, 3]
+        assert [evaluations[k] for k in (2, 3)] == pytest.approx([expected_evaluations[k] for k in (2, 3)], abs=2e-5)
+    assert "each on its own share of every step" in out
+
+
+@pytest.mark.timeout(300)
+def test_train_on_token_data_resumes_where_its_iteration_left_off_also_under_torchrun(tmp_path, capsys):
+    train, valid = _token_files(tmp_path)
+    words = ["train", "--model", "llama", "--data", str(train), "--data-seed", "3", "--lr", "0.01", "--optimizer",
+             "adamw", "--schedule", "1f1b", "--quiet"]
+    assert main([*words, "--steps", "4"]) == EXIT_OK
+    whole, _ = _losses_and_evaluations(capsys.readouterr().out)
+    assert main([*words, "--steps", "2", "--save", str(tmp_path / "a.pt")]) == EXIT_OK
+    capsys.readouterr()
+    assert main([*words, "--steps", "2", "--resume", str(tmp_path / "a.pt"), "--eval-data", str(valid),
+                 "--eval-iters", "2"]) == EXIT_OK
+    out = capsys.readouterr().out
+    resumed, evaluations = _losses_and_evaluations(out)
+    assert resumed == whole[2:] and "step 3: loss" in out and list(evaluations) == [4]
+    # the printed torchrun line carries the data flags; run as it runs, the same losses
+    assert main([*words, "--steps", "4", "--nprocs", "8", "--eval-data", "valid.npy", "--eval-iters", "2",
+                 "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert f"--data {train} --data-seed 3 --eval-data valid.npy --eval-iters 2" in line
+    proc = _torchrun([*words, "--steps", "4", "--nprocs", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses_and_evaluations(proc.stdout)[0] == whole
+    assert f"data: {train}: 6,000 uint16 tokens" in proc.stdout
+
+
+def test_train_data_refusals(tmp_path, capsys):
+    import numpy as np
+
+    train, valid = _token_files(tmp_path)
+    np.arange(300, 400, dtype=np.uint16).tofile(tmp_path / "big.bin")
+    for extra, error in (
+            (["--data-seed", "2"], "train --data-seed: applies to --data FILE"),
+            (["--eval-data", str(valid)], "train --eval-data: applies to --data FILE"),
+            (["--data", str(train), "--eval-iters", "2"], "train --eval-iters: applies to --eval-data FILE"),
+            (["--data", str(tmp_path / "nope.bin")], "no such file"),
+            (["--data", str(train), "--eval-data", str(valid), "--eval-iters", "12"],
+             "12 batches of 8 sequences need 96 sequences of 32 \\+ 1 tokens, but the file holds 93"),
+            (["--data", str(tmp_path / "big.bin"), "--seq-len", "8"],
+             "token 3\\d\\d at position \\d+ is outside the model's vocabulary of 256"),
+            (["--data", str(train), "--data-dtype", "uint32"], "other dtype than the uint32 it is read as")):
+        assert main(["train", "--model", "llama", "--steps", "1", "--quiet", *extra]) == EXIT_ERROR, extra
+        assert re.search(error, capsys.readouterr().err), (extra, error)
+    assert main(["train", "--model", "multimodal", "--data", str(train), "--steps", "1", "--quiet"]) == EXIT_ERROR
+    assert "--data feeds token models only" in capsys.readouterr().err
+    assert main(["train", "--model", "multimodal", "--data", "/cluster/t.bin", "--torchrun"]) == EXIT_ERROR
+    assert "--data feeds token models only" in capsys.readouterr().err

@@ -1,0 +1,240 @@
+"""Token data for training: a file of token ids cut into sequences, batched per step and replica.
+
+`octopipe train --data FILE` reads what Megatron's and nanoGPT's preprocessing write: one flat
+stream of token ids, either a raw binary file (`.bin`; uint16 unless told otherwise, the dtype
+those tools use for vocabularies under 65,536) or a NumPy `.npy` array (its header names the
+dtype). The stream is memory-mapped, never read whole.
+
+- The stream is cut into `num_samples` sequences of `seq_len + 1` tokens, each starting `seq_len`
+  after the last (so consecutive sequences share one token, as Megatron's GPT dataset cuts them):
+  a sequence's first `seq_len` tokens are the model's input and its last `seq_len` the target, the
+  next token at every position. A tail shorter than that is left out.
+- Each step (iteration `k`, counted from 0 over the whole run, so a resumed run goes on where
+  the checkpoint's iteration left off) takes the next `replicas * batch_size` sequences of an
+  order that is a seeded permutation per epoch (`shuffle`) or the file's own (validation);
+  replica `r` takes the `r`-th `batch_size` of them. Across epochs the orders follow one another,
+  so a global batch may span two.
+- Every batch is checked against the model's vocabulary (`vocab_size`) before it is used: a token
+  id out of range is an error that names the file and the token's position, not an index error
+  inside an embedding on some rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from octopipe.errors import ArgumentError, DataError
+
+DTYPES: dict[str, Any] = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
+"""The token dtypes a raw `.bin` file may hold (`--data-dtype`); a `.npy` file's header names its own."""
+
+DEFAULT_DTYPE = "uint16"
+"""A raw file's dtype unless told otherwise: what Megatron's and nanoGPT's preprocessing write for
+vocabularies under 65,536 tokens."""
+
+
+def token_stream(path: str | os.PathLike[str], dtype: str | None = None, *, what: str = "data") -> np.ndarray:
+    """The file's token ids, memory-mapped, as a 1-D array. `.npy`: the array it holds (1-D, of
+    integers; `dtype`, where given, must be its own); any other file: raw tokens of `dtype`
+    (default uint16)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} {path}: no such file; give a file of token ids (raw .bin, or .npy)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ArgumentError(f"{what} {path}: token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise DataError(f"{what} {path}: not a readable .npy array ({exc}); save the token ids with numpy.save") from None
+        if tokens.ndim != 1:
+            raise DataError(f"{what} {path}: holds an array of shape {tuple(tokens.shape)}; the token ids must be one flat "
+                            "stream (numpy.save(path, ids.reshape(-1)))")
+        if tokens.dtype.kind not in "iu":
+            raise DataError(f"{what} {path}: holds {tokens.dtype} values; token ids are integers (save them as uint16, "
+                            "uint32, int32 or int64)")
+        if dtype is not None and np.dtype(DTYPES[dtype]) != tokens.dtype:
+            raise DataError(f"{what} {path}: its header says {tokens.dtype}, not the {dtype} given; drop the dtype "
+                            "(a .npy file names its own)")
+        return tokens
+    kind = np.dtype(DTYPES[dtype or DEFAULT_DTYPE])
+    size = path.stat().st_size
+    if size % kind.itemsize:
+        raise DataError(f"{what} {path}: {size} bytes is not a whole number of {kind.name} tokens ({kind.itemsize} bytes "
+                        "each); give the dtype it was written in (--data-dtype)")
+    if size == 0:
+        raise DataError(f"{what} {path}: the file is empty")
+    return np.memmap(path, dtype=kind, mode="r")
+
+
+@dataclass
+class TokenBatches:
+    """Batches of `batch_size` sequences of `seq_len` tokens per replica from a token file (see
+    the module doc). Pickles by its settings, so spawned workers open the file themselves."""
+
+    path: str
+    seq_len: int
+    batch_size: int
+    replicas: int = 1
+    dtype: str | None = None
+    shuffle: bool = True
+    seed: int = 1234
+    vocab_size: int | None = None
+    what: str = "data"
+    """How errors name the file (a CLI flag, e.g. "--data")."""
+    _tokens: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _orders: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArgumentError(f"{self.what} {self.path}: {name} must be a positive integer, got {value!r}")
+        if self.num_samples < 1:
+            raise DataError(f"{self.what} {self.path}: {len(self.tokens)} tokens, fewer than one sequence of "
+                            f"{self.seq_len} + 1; give more data or a shorter --seq-len")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None, "_orders": {}}
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = token_stream(self.path, self.dtype, what=self.what)
+        return self._tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences of seq_len + 1 tokens in the file (each starting seq_len after the last)."""
+        return (len(self.tokens) - 1) // self.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over every replica."""
+        return self.replicas * self.batch_size
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.num_samples / self.global_batch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        order = self._orders.get(epoch)
+        if order is None:
+            if self.shuffle:
+                order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+            else:
+                order = torch.arange(self.num_samples)
+            self._orders = {epoch: order}  # (steps walk the epochs in turn: one order held at a time)
+        return order
+
+    def sample_indices(self, iteration: int, replica: int = 0) -> list[int]:
+        """The sequences replica `replica` trains on at `iteration` (0-based over the whole run)."""
+        if not 0 <= replica < self.replicas:
+            raise ArgumentError(f"{self.what} {self.path}: replica {replica} out of range 0..{self.replicas - 1}")
+        if iteration < 0:
+            raise ArgumentError(f"{self.what} {self.path}: iteration {iteration} is negative")
+        first = iteration * self.global_batch + replica * self.batch_size
+        indices = []
+        for position in range(first, first + self.batch_size):
+            epoch, offset = divmod(position, self.num_samples)
+            indices.append(int(self._order(epoch)[offset]))
+        return indices
+
+    def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        """((input ids,), target ids) for `replica` at `iteration`: int64 tensors of
+        [batch_size, seq_len], the target the input shifted by one token."""
+        rows = np.stack([np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1])
+                         for i in self.sample_indices(iteration, replica)])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        if self.vocab_size is not None:
+            bad = (tokens >= self.vocab_size) | (tokens < 0)
+            if bool(bad.any()):
+                row, column = (int(x) for x in bad.nonzero()[0])
+                sample = self.sample_indices(iteration, replica)[row]
+                raise DataError(self._outside(int(tokens[row, column]), sample * self.seq_len + column))
+        return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
+
+    def check_vocabulary(self, chunk: int = 1 << 24) -> None:
+        """Refuse a file holding a token id outside [0, vocab_size) anywhere, read in chunks of
+        `chunk` tokens (a pass over the file; each batch is checked again as it is read)."""
+        if self.vocab_size is None:
+            return
+        tokens = self.tokens
+        for start in range(0, len(tokens), chunk):
+            part = np.asarray(tokens[start:start + chunk])
+            bad = np.flatnonzero((part >= self.vocab_size) | (part < 0))
+            if len(bad):
+                raise DataError(self._outside(int(part[bad[0]]), start + int(bad[0])))
+
+    def _outside(self, token: int, position: int) -> str:
+        raw = "" if Path(self.path).suffix == ".npy" else (
+            f"; or, if the file was written in another dtype than the {self.tokens.dtype} it is read as, give that "
+            "(--data-dtype)")
+        return (f"{self.what} {self.path}: token {token} at position {position} is outside the model's vocabulary of "
+                f"{self.vocab_size}; tokenize with the model's tokenizer, or give the model a larger vocabulary "
+                f"(--set vocab_size=N for a built-in model){raw}")
+
+    def check_enough(self, batches: int) -> None:
+        """Refuse a validation set that `batches` global batches would read past the end of (so
+        that no sequence is counted twice in one evaluation)."""
+        need = batches * self.global_batch
+        if need > self.num_samples:
+            raise DataError(f"{self.what} {self.path}: {batches} batch{'es' if batches > 1 else ''} of {self.global_batch} "
+                            f"sequence{'s' if self.global_batch > 1 else ''} need {need} sequences of {self.seq_len} + 1 "
+                            f"tokens, but the file holds {self.num_samples}; evaluate fewer batches (--eval-iters) or "
+                            "give more data")
+
+    def describe(self) -> str:
+        """One line: the file, its tokens, sequences and epoch length."""
+        tokens = self.tokens
+        return (f"{self.path}: {len(tokens):,} {tokens.dtype} tokens, {self.num_samples:,} sequences of "
+                f"{self.seq_len} + 1; {self.global_batch} a step"
+                + (f" ({self.replicas} replicas x {self.batch_size})" if self.replicas > 1 else "")
+                + (f", an epoch every {self.steps_per_epoch:.4g} steps, shuffled (seed {self.seed})" if self.shuffle
+                   else ", in file order"))
+
+
+def vocabulary_size(model: torch.nn.Module) -> int | None:
+    """The rows of the model's first embedding table (its vocabulary), None if it has none."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            return int(module.num_embeddings)
+    return None
+
+
+@dataclass
+class TrainingData:
+    """What a training loop reads each step: `train`'s batches, and where given the validation
+    set `valid`, whose first `eval_iters` batches are evaluated after every `eval_interval` steps
+    (counted over the whole run, as the iteration is) and after the last (Megatron's
+    --eval-interval and --eval-iters)."""
+
+    train: TokenBatches
+    valid: TokenBatches | None = None
+    eval_interval: int | None = None
+    """None: evaluate after the last step only."""
+    eval_iters: int = 4
+
+    def __post_init__(self) -> None:
+        if self.valid is not None:
+            self.valid.check_enough(self.eval_iters)
+
+    def evaluates_after(self, done: int, last: int) -> bool:
+        """Whether to evaluate once `done` iterations are done, `last` being the run's final one."""
+        if self.valid is None:
+            return False
+        return done == last or (self.eval_interval is not None and done % self.eval_interval == 0)
+
+    def evaluate(self, engine: Any) -> float:
+        """The validation loss: the mean of `engine.evaluate` over the first `eval_iters` global
+        batches, each replica's engine on its own share of each (a collective, like a step)."""
+        assert self.valid is not None
+        replica = engine.replicas.replica
+        losses = [engine.evaluate(*self.valid.batch(k, replica)) for k in range(self.eval_iters)]
+        return sum(losses) / len(losses)

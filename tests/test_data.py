@@ -1,0 +1,124 @@
+"""Token data for `train --data`: sequences, the per-epoch shuffle, replicas' shares, refusals."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from octopipe.data import DTYPES, TokenBatches, TrainingData, token_stream, vocabulary_size
+from octopipe.errors import ArgumentError, DataError
+
+
+@pytest.fixture
+def stream(tmp_path):
+    """0, 1, 2, ... 1000 as a raw uint16 file: a token's id is its position."""
+    path = tmp_path / "tokens.bin"
+    np.arange(1001, dtype=np.uint16).tofile(path)
+    return path
+
+
+def test_sequences_are_cut_seq_len_apart_and_the_target_is_the_next_token(stream):
+    data = TokenBatches(str(stream), seq_len=10, batch_size=3, shuffle=False)
+    assert data.num_samples == 100  # (1001 - 1) // 10: each sequence is 11 tokens, sharing one with the next
+    (inputs,), target = data.batch(0)
+    assert inputs.dtype == target.dtype == torch.int64 and inputs.shape == target.shape == (3, 10)
+    assert inputs[1].tolist() == list(range(10, 20)) and target[1].tolist() == list(range(11, 21))
+    (later,), _ = data.batch(2)  # in file order: sequences 6, 7, 8
+    assert later[:, 0].tolist() == [60, 70, 80]
+    # the last whole sequence is 99 (990..1000); a tail shorter than 11 tokens is left out
+    assert TokenBatches(str(stream), seq_len=10, batch_size=1, shuffle=False).batch(99)[1][0, -1].item() == 1000
+
+
+def test_each_epoch_is_a_seeded_permutation_and_the_order_runs_on_across_epochs(stream):
+    data = TokenBatches(str(stream), seq_len=100, batch_size=4)  # 10 sequences: 2.5 steps an epoch
+    seen = [i for k in range(5) for i in data.sample_indices(k)]  # 20 = two whole epochs
+    assert sorted(seen[:10]) == sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != list(range(10)) and seen[:10] != seen[10:]
+    assert seen == [i for k in range(5) for i in TokenBatches(str(stream), seq_len=100, batch_size=4).sample_indices(k)]
+    other = TokenBatches(str(stream), seq_len=100, batch_size=4, seed=7)
+    assert [i for k in range(5) for i in other.sample_indices(k)] != seen
+    # a later step needs nothing before it (a resumed run reads on from its iteration)
+    assert TokenBatches(str(stream), seq_len=100, batch_size=4).sample_indices(3) == seen[12:16]
+
+
+def test_replicas_split_each_global_batch_whatever_their_count(stream):
+    one = TokenBatches(str(stream), seq_len=10, batch_size=12)
+    two = TokenBatches(str(stream), seq_len=10, batch_size=6, replicas=2)
+    three = TokenBatches(str(stream), seq_len=10, batch_size=4, replicas=3)
+    for k in range(20):  # over several epochs
+        assert one.sample_indices(k) == two.sample_indices(k, 0) + two.sample_indices(k, 1)
+        assert one.sample_indices(k) == [i for r in range(3) for i in three.sample_indices(k, r)]
+    assert two.global_batch == 12 and "(2 replicas x 6)" in two.describe()
+    with pytest.raises(ArgumentError, match="replica 2 out of range 0..1"):
+        two.batch(0, 2)
+
+
+def test_npy_files_name_their_dtype_and_raw_files_take_one(tmp_path):
+    ids = np.arange(300, dtype=np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    assert token_stream(tmp_path / "ids.npy").dtype == np.int32
+    ids.astype(np.uint32).tofile(tmp_path / "ids.bin")
+    assert token_stream(tmp_path / "ids.bin", "uint32").tolist() == list(range(300))
+    assert len(token_stream(tmp_path / "ids.bin")) == 600  # read as uint16 it is twice as long: the caller's word
+    data = TokenBatches(str(tmp_path / "ids.bin"), seq_len=7, batch_size=2, dtype="uint32", shuffle=False)
+    assert data.batch(1)[0][0][0].tolist() == list(range(14, 21))
+    assert set(DTYPES) == {"uint16", "uint32", "int32", "int64"}
+
+
+@pytest.mark.parametrize("write, dtype, message", [
+    (lambda p: p.write_bytes(b"\x01\x02\x03"), None, "3 bytes is not a whole number of uint16 tokens"),
+    (lambda p: p.write_bytes(b""), None, "the file is empty"),
+    (lambda p: np.save(p, np.zeros((4, 4), np.int64)), None, r"shape \(4, 4\).*one flat stream"),
+    (lambda p: np.save(p, np.zeros(40, np.float32)), None, "float32 values; token ids are integers"),
+    (lambda p: np.save(p, np.zeros(40, np.int64)), "int32", "its header says int64, not the int32 given"),
+    (lambda p: p.write_bytes(b"not numpy"), None, "not a readable .npy array"),
+    (lambda p: np.arange(10, dtype=np.uint16).tofile(p), None, "10 tokens, fewer than one sequence of 16 \\+ 1"),
+])
+def test_bad_files_are_refused_with_what_to_do(tmp_path, write, dtype, message):
+    path = tmp_path / ("data.npy" if "npy" in message or "shape" in message or "values" in message or "header" in message
+                       else "data.bin")
+    write(path)
+    with pytest.raises(DataError, match=message):
+        TokenBatches(str(path), seq_len=16, batch_size=2, dtype=dtype, what="--data")
+    with pytest.raises(DataError, match="no such file"):
+        token_stream(tmp_path / "missing.bin")
+    with pytest.raises(ArgumentError, match="'float16' is not one of"):
+        token_stream(path, "float16")
+
+
+def test_a_token_outside_the_vocabulary_is_named_with_its_position(stream):
+    data = TokenBatches(str(stream), seq_len=10, batch_size=2, shuffle=False, vocab_size=95, what="--data")
+    data.batch(3)  # sequences 6 and 7: tokens 60..80
+    with pytest.raises(DataError, match=r"--data .*: token 95 at position 95 is outside the model's vocabulary of 95"):
+        data.batch(4)
+
+
+def test_validation_sets_are_read_in_order_and_must_hold_their_batches(stream):
+    valid = TokenBatches(str(stream), seq_len=10, batch_size=5, replicas=2, shuffle=False, what="--eval-data")
+    assert [valid.sample_indices(k, r) for k in range(2) for r in range(2)] == [
+        [0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
+    train = TokenBatches(str(stream), seq_len=10, batch_size=5, replicas=2)
+    assert TrainingData(train, valid, eval_iters=10).eval_iters == 10  # 100 sequences: exactly enough
+    with pytest.raises(DataError, match="11 batches of 10 sequences need 110 sequences .* the file holds 100"):
+        TrainingData(train, valid, eval_iters=11)
+    every = TrainingData(train, valid, eval_interval=3)
+    assert [done for done in range(1, 8) if every.evaluates_after(done, last=7)] == [3, 6, 7]
+    assert [done for done in range(1, 8) if TrainingData(train, valid).evaluates_after(done, last=7)] == [7]
+    assert not TrainingData(train).evaluates_after(7, last=7)
+
+
+def test_batches_pickle_without_their_mapping(stream):
+    data = TokenBatches(str(stream), seq_len=10, batch_size=3)
+    before = data.batch(5)
+    copy = pickle.loads(pickle.dumps(data))
+    assert copy._tokens is None and copy._orders == {}
+    after = copy.batch(5)
+    assert torch.equal(before[0][0], after[0][0]) and torch.equal(before[1], after[1])
+
+
+def test_the_vocabulary_is_the_first_embeddings_rows():
+    from octopipe import models
+
+    assert vocabulary_size(models.build("llama", "tiny")) == models.config("llama", "tiny").vocab_size
+    assert vocabulary_size(torch.nn.Linear(2, 2)) is None
