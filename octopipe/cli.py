@@ -141,6 +141,18 @@ def _replicas_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be a replica count (a positive integer) or auto, got {text!r}") from None
 
 
+def _split_arg(text: str) -> tuple[float, ...]:
+    """--split's weights: training, validation and optionally test (Megatron's 949,50,1)."""
+    try:
+        weights = tuple(float(part) for part in text.replace("/", ",").split(","))
+    except ValueError:
+        weights = ()
+    if len(weights) not in (2, 3) or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights[:2]) <= 0:
+        raise argparse.ArgumentTypeError(f"must be 2 or 3 non-negative weights, training,validation[,test], not all "
+                                         f"zero (e.g. 98,2 or 949,50,1), got {text!r}")
+    return weights
+
+
 def _resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on other arguments: the microbatch count of a given plan, and a batch
     size that divides into the microbatches. Notes which model options were given, so options
@@ -1166,16 +1178,22 @@ def _check_data_flags(args: argparse.Namespace) -> None:
 
     if args.data is None:
         given = [flag for flag, value in (("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
-                                          ("--eval-data", args.eval_data)) if value is not None]
+                                          ("--split", args.split), ("--eval-data", args.eval_data)) if value is not None]
         if given:
             raise OctopipeError(f"train {given[0]}: applies to --data FILE (the token ids to train on); give --data "
                                 "too")
-    if args.eval_data is None:
+    if args.split is not None and args.eval_data is not None:
+        raise OctopipeError("train: give --eval-data FILE (a validation file) or --split (a validation part of --data), "
+                            "not both")
+    validates = args.eval_data is not None or (args.split is not None and args.split[1] > 0)
+    if not validates:
         given = [flag for flag, value in (("--eval-interval", args.eval_interval), ("--eval-iters", args.eval_iters))
                  if value is not None]
         if given:
-            raise OctopipeError(f"train {given[0]}: applies to --eval-data FILE (the validation tokens); give "
-                                "--eval-data too")
+            raise OctopipeError(f"train {given[0]}: applies to a validation set; give --eval-data FILE, or --split "
+                                "T,V with a validation weight V > 0" if args.split is None else
+                                f"train {given[0]}: --split {_weights(args.split)} leaves no validation part; give it "
+                                "a validation weight (e.g. 98,2)")
     if not args.torchrun:
         for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path is not None and not os.path.isfile(path):
@@ -1208,19 +1226,29 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
                             "Engine.step(inputs, target))")
     if not open_files:
         return None
-    from octopipe.data import TokenBatches, TrainingData, vocabulary_size
+    from octopipe.data import TokenBatches, TrainingData, split_samples, vocabulary_size
 
     batch, seq_len = (int(n) for n in ids.shape)
     common: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch, replicas=args.data_parallel,
                                   dtype=args.data_dtype, vocab_size=vocabulary_size(model))
-    train = TokenBatches(args.data, seed=DATA_SEED if args.data_seed is None else args.data_seed, what="--data",
-                         **common)
+    seed = DATA_SEED if args.data_seed is None else args.data_seed
+    train = TokenBatches(args.data, seed=seed, what="--data", **common)
     valid = TokenBatches(args.eval_data, shuffle=False, what="--eval-data", **common) if args.eval_data else None
+    if args.split is not None:  # one file: a training part, a validation part (and a test part, unread)
+        parts = split_samples(train.file_samples, args.split, "train --split")
+        train = TokenBatches(args.data, seed=seed, samples=parts[0], what="--data", **common)
+        if args.split[1] > 0:
+            valid = TokenBatches(args.data, shuffle=False, samples=parts[1], what="--data (its validation split)",
+                                 **common)
     if scan:
         for data in (train, valid):
             if data is not None:
                 data.check_vocabulary()
     return TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters)
+
+
+def _weights(weights: tuple[float, ...]) -> str:
+    return ",".join(f"{w:g}" for w in weights)
 
 
 def _describe_data(data: Any) -> str:
@@ -1229,11 +1257,16 @@ def _describe_data(data: Any) -> str:
         every = f"every {data.eval_interval} steps and " if data.eval_interval else ""
         lines.append(f"validation: {data.valid.describe()}; the first {data.eval_iters} "
                      f"batch{'es' if data.eval_iters > 1 else ''} evaluated {every}after the last step")
+    if data.train.samples is not None:  # (--split: what its test part holds, left unread)
+        end = max(tokens.samples[1] for tokens in (data.train, data.valid) if tokens is not None and tokens.samples)
+        if end < data.train.file_samples:
+            lines.append(f"test: sequences {end:,}-{data.train.file_samples - 1:,} of {data.train.path} (the --split's "
+                         "test part) are not read")
     return "\n".join(lines)
 
 
 def _evaluation_line(done: int, loss: float) -> str:
-    return f"validation after {done} steps: loss {loss:.5f}  perplexity {math.exp(min(loss, 700.0)):.5g}"
+    return f"validation after {done} step{'s' if done != 1 else ''}: loss {loss:.5f}  perplexity {math.exp(min(loss, 700.0)):.5g}"
 """`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
 
 
@@ -1440,6 +1473,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
                         ("--data", args.data), ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
+                        ("--split", _weights(args.split) if args.split else None),
                         ("--eval-data", args.eval_data), ("--eval-interval", args.eval_interval),
                         ("--eval-iters", args.eval_iters),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
@@ -1803,6 +1837,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=_non_negative_int, default=None, metavar="S",
                    help="the shuffle's seed: epoch e's order is a permutation drawn from S + e (default 1234, "
                         "Megatron's --seed)")
+    p.add_argument("--split", type=_split_arg, default=None, metavar="T,V[,TEST]",
+                   help="with --data: cut its sequences, in file order, into consecutive training, validation and "
+                        "(left unread) test parts by these weights (Megatron's --split, e.g. 98,2 or 949,50,1); the "
+                        "validation part is evaluated as --eval-data would be")
     p.add_argument("--eval-data", metavar="FILE", default=None,
                    help="with --data: validation tokens; after the last step (and every --eval-interval steps) the "
                         "loss over the first --eval-iters batches of FILE in file order, forwards only with dropout "

@@ -21,7 +21,9 @@ dtype). The stream is memory-mapped, never read whole.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,9 @@ class TokenBatches:
     shuffle: bool = True
     seed: int = 1234
     vocab_size: int | None = None
+    samples: tuple[int, int] | None = None
+    """The range [start, stop) of the file's sequences this set reads (a split of one file into
+    training and validation sets, `split_samples`); None: all of them."""
     what: str = "data"
     """How errors name the file (a CLI flag, e.g. "--data")."""
     _tokens: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
@@ -96,9 +101,15 @@ class TokenBatches:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ArgumentError(f"{self.what} {self.path}: {name} must be a positive integer, got {value!r}")
-        if self.num_samples < 1:
+        if self.file_samples < 1:
             raise DataError(f"{self.what} {self.path}: {len(self.tokens)} tokens, fewer than one sequence of "
                             f"{self.seq_len} + 1; give more data or a shorter --seq-len")
+        if self.samples is not None:
+            start, stop = self.samples
+            if not 0 <= start < stop <= self.file_samples:
+                raise DataError(f"{self.what} {self.path}: sequences {start}..{stop - 1} asked for, but the file holds "
+                                f"{self.file_samples} sequences of {self.seq_len} + 1 tokens (0..{self.file_samples - 1})"
+                                "; give more data or another split")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None, "_orders": {}}
@@ -110,9 +121,16 @@ class TokenBatches:
         return self._tokens
 
     @property
-    def num_samples(self) -> int:
+    def file_samples(self) -> int:
         """Sequences of seq_len + 1 tokens in the file (each starting seq_len after the last)."""
         return (len(self.tokens) - 1) // self.seq_len
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this set reads: the file's, or its range of them (`samples`)."""
+        if self.samples is None:
+            return self.file_samples
+        return self.samples[1] - self.samples[0]
 
     @property
     def global_batch(self) -> int:
@@ -140,10 +158,11 @@ class TokenBatches:
         if iteration < 0:
             raise ArgumentError(f"{self.what} {self.path}: iteration {iteration} is negative")
         first = iteration * self.global_batch + replica * self.batch_size
+        start = self.samples[0] if self.samples is not None else 0
         indices = []
         for position in range(first, first + self.batch_size):
             epoch, offset = divmod(position, self.num_samples)
-            indices.append(int(self._order(epoch)[offset]))
+            indices.append(start + int(self._order(epoch)[offset]))
         return indices
 
     def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
@@ -187,17 +206,39 @@ class TokenBatches:
         if need > self.num_samples:
             raise DataError(f"{self.what} {self.path}: {batches} batch{'es' if batches > 1 else ''} of {self.global_batch} "
                             f"sequence{'s' if self.global_batch > 1 else ''} need {need} sequences of {self.seq_len} + 1 "
-                            f"tokens, but the file holds {self.num_samples}; evaluate fewer batches (--eval-iters) or "
-                            "give more data")
+                            f"tokens, but {'its split' if self.samples is not None else 'the file'} holds "
+                            f"{self.num_samples}; evaluate fewer batches (--eval-iters) or give more data")
 
     def describe(self) -> str:
         """One line: the file, its tokens, sequences and epoch length."""
         tokens = self.tokens
-        return (f"{self.path}: {len(tokens):,} {tokens.dtype} tokens, {self.num_samples:,} sequences of "
-                f"{self.seq_len} + 1; {self.global_batch} a step"
+        held = (f"{self.num_samples:,} sequences of {self.seq_len} + 1" if self.samples is None else
+                f"sequences {self.samples[0]:,}-{self.samples[1] - 1:,} of its {self.file_samples:,} of "
+                f"{self.seq_len} + 1")
+        return (f"{self.path}: {len(tokens):,} {tokens.dtype} tokens, {held}; {self.global_batch} a step"
                 + (f" ({self.replicas} replicas x {self.batch_size})" if self.replicas > 1 else "")
                 + (f", an epoch every {self.steps_per_epoch:.4g} steps, shuffled (seed {self.seed})" if self.shuffle
                    else ", in file order"))
+
+
+def split_samples(total: int, weights: Sequence[float], what: str = "--split") -> list[tuple[int, int]]:
+    """Cut `total` sequences into consecutive ranges [start, stop) in proportion to `weights`
+    (Megatron's --split 949,50,1: training, validation, test), each boundary rounded to the
+    nearest sequence. Refuses a weight that is negative, or a training or validation range that
+    comes out empty where its weight is not zero (a test part, never read, may)."""
+    if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ArgumentError(f"{what} {','.join(f'{w:g}' for w in weights)}: give non-negative weights, not all zero "
+                            "(e.g. 98,2: 98% to training, 2% to validation)")
+    ranges, start, done = [], 0, 0.0
+    for weight in weights:
+        done += weight
+        stop = round(total * done / sum(weights))
+        if weight > 0 and stop <= start and len(ranges) < 2:
+            raise DataError(f"{what} {','.join(f'{w:g}' for w in weights)}: {total} sequences leave part "
+                            f"{len(ranges) + 1} none; give it a larger share or more data")
+        ranges.append((start, stop))
+        start = stop
+    return ranges
 
 
 def vocabulary_size(model: torch.nn.Module) -> int | None:

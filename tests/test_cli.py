@@ -1444,7 +1444,7 @@ def _plain_on_token_data(start, train, valid, replicas, steps, eval_every):
 def _losses_and_evaluations(out):
     losses = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)", out, re.MULTILINE)]
     evaluations = {int(done): float(loss) for done, loss in
-                   re.findall(r"^validation after (\d+) steps: loss ([\d.]+)  perplexity [\d.e+]+$", out, re.MULTILINE)}
+                   re.findall(r"^validation after (\d+) steps?: loss ([\d.]+)  perplexity [\d.e+]+$", out, re.MULTILINE)}
     return losses, evaluations
 
 
@@ -1509,16 +1509,40 @@ def test_train_data_refusals(tmp_path, capsys):
     for extra, error in (
             (["--data-seed", "2"], "train --data-seed: applies to --data FILE"),
             (["--eval-data", str(valid)], "train --eval-data: applies to --data FILE"),
-            (["--data", str(train), "--eval-iters", "2"], "train --eval-iters: applies to --eval-data FILE"),
+            (["--data", str(train), "--eval-iters", "2"], "train --eval-iters: applies to a validation set; give --eval-data FILE, or --split"),
             (["--data", str(tmp_path / "nope.bin")], "no such file"),
             (["--data", str(train), "--eval-data", str(valid), "--eval-iters", "12"],
              "12 batches of 8 sequences need 96 sequences of 32 \\+ 1 tokens, but the file holds 93"),
             (["--data", str(tmp_path / "big.bin"), "--seq-len", "8"],
              "token 3\\d\\d at position \\d+ is outside the model's vocabulary of 256"),
-            (["--data", str(train), "--data-dtype", "uint32"], "other dtype than the uint32 it is read as")):
+            (["--data", str(train), "--data-dtype", "uint32"], "other dtype than the uint32 it is read as"),
+            (["--data", str(train), "--split", "98,2", "--eval-data", str(valid)], "--eval-data FILE .* or --split"),
+            (["--data", str(train), "--split", "1,0,1", "--eval-interval", "2"],
+             "--split 1,0,1 leaves no validation part"),
+            (["--data", str(train), "--split", "1000,1"], "--split 1000,1: 187 sequences leave part 2 none"),
+            (["--split", "98,2"], "train --split: applies to --data FILE")):
         assert main(["train", "--model", "llama", "--steps", "1", "--quiet", *extra]) == EXIT_ERROR, extra
         assert re.search(error, capsys.readouterr().err), (extra, error)
     assert main(["train", "--model", "multimodal", "--data", str(train), "--steps", "1", "--quiet"]) == EXIT_ERROR
     assert "--data feeds token models only" in capsys.readouterr().err
     assert main(["train", "--model", "multimodal", "--data", "/cluster/t.bin", "--torchrun"]) == EXIT_ERROR
     assert "--data feeds token models only" in capsys.readouterr().err
+
+
+def test_train_split_validates_on_the_files_own_tail(tmp_path, capsys):
+    # Megatron's --split: one file, its sequences cut in order into training, validation and test
+    train, _ = _token_files(tmp_path)
+    words = ["train", "--model", "llama", "--data", str(train), "--steps", "2", "--schedule", "1f1b", "--quiet",
+             "--eval-iters", "1"]
+    assert main([*words, "--split", "90,8,2"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "sequences 0-167 of its 187 of 32 + 1" in out  # round(187 * 0.9) = 168 for training
+    assert "validation: " in out and "sequences 168-182 of its 187" in out
+    assert f"test: sequences 183-186 of {train} (the --split's test part) are not read" in out
+    losses, evaluations = _losses_and_evaluations(out)
+    # 90,10 cuts the same training part, and its validation part starts where 90,8,2's does
+    assert main([*words, "--split", "90,10"]) == EXIT_OK
+    assert _losses_and_evaluations(capsys.readouterr().out) == (losses, evaluations)
+    # all of the file: other batches
+    assert main(words[:-2]) == EXIT_OK
+    assert _losses_and_evaluations(capsys.readouterr().out)[0][1] != losses[1]

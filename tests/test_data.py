@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from octopipe.data import DTYPES, TokenBatches, TrainingData, token_stream, vocabulary_size
+from octopipe.data import DTYPES, TokenBatches, TrainingData, split_samples, token_stream, vocabulary_size
 from octopipe.errors import ArgumentError, DataError
 
 
@@ -122,3 +122,24 @@ def test_the_vocabulary_is_the_first_embeddings_rows():
 
     assert vocabulary_size(models.build("llama", "tiny")) == models.config("llama", "tiny").vocab_size
     assert vocabulary_size(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_split_reads_its_own_range_of_the_files_sequences(stream):
+    assert split_samples(100, (949, 50, 1)) == [(0, 95), (95, 100), (100, 100)]
+    assert split_samples(187, (90, 8, 2)) == [(0, 168), (168, 183), (183, 187)]
+    assert split_samples(10, (1, 0)) == [(0, 10), (10, 10)]
+    with pytest.raises(DataError, match="10 sequences leave part 2 none"):
+        split_samples(10, (100, 1))
+    with pytest.raises(ArgumentError, match="non-negative weights"):
+        split_samples(10, (1, -1))
+    part = TokenBatches(str(stream), seq_len=10, batch_size=4, samples=(95, 100), shuffle=False)
+    assert part.num_samples == 5 and part.file_samples == 100
+    assert [part.sample_indices(k) for k in range(2)] == [[95, 96, 97, 98], [99, 95, 96, 97]]
+    assert part.batch(0)[0][0][0, 0].item() == 950
+    shuffled = TokenBatches(str(stream), seq_len=10, batch_size=5, samples=(0, 95))
+    assert sorted(i for k in range(19) for i in shuffled.sample_indices(k)) == list(range(95))
+    assert "sequences 95-99 of its 100 of 10 + 1" in part.describe()
+    with pytest.raises(DataError, match="sequences 90..100 asked for, but the file holds 100"):
+        TokenBatches(str(stream), seq_len=10, batch_size=1, samples=(90, 101))
+    with pytest.raises(DataError, match="need 8 sequences of 10 \\+ 1 tokens, but its split holds 5; evaluate fewer"):
+        TrainingData(shuffled, part, eval_iters=2)
