@@ -173,16 +173,16 @@ def plan(
 
     # 1. baselines, simulated on the same table
     clock = time.perf_counter()
-    baseline_plans = schedules.baselines(costs, cluster, num_microbatches, num_devices=p)
-    # built here for this table (schedules' tests check they validate), so not validated again
-    baseline_sims = {name: simulate(plan_, costs, cluster, memory=memory, validated=True)
-                     for name, plan_ in baseline_plans.items()}
+    baseline_plans, baseline_sims, unsimulated = _baselines_in_time(costs, cluster, num_microbatches, p, memory,
+                                                                    activation_limit, memory_limit,
+                                                                    started + time_limit_s)
     stage_seconds["baselines"] = time.perf_counter() - clock
     activation_budget = _activation_limit(activation_limit, baseline_sims)
     fallback_bounds, infeasible = _check_memory_feasible(costs, p, num_microbatches, memory_limit, activation_budget,
                                                          memory)
-    start_plans = {**baseline_plans, **schedules.every_partition(costs, cluster, num_microbatches, baseline_plans,
-                                                                 num_devices=p)}
+    start_plans = dict(baseline_plans)
+    if not unsimulated:  # (a tiny model's every partition: not where the time limit already cut the baselines)
+        start_plans.update(schedules.every_partition(costs, cluster, num_microbatches, baseline_plans, num_devices=p))
     if fallback_bounds is not None:
         start_plans["one microbatch in flight"] = _low_memory_plan(costs, cluster, num_microbatches, fallback_bounds,
                                                                    p, memory)
@@ -219,6 +219,10 @@ def plan(
     notes = [f"tuner: {tuned.structures} structures, {tuned.evaluations} plans simulated ({tuned.work} op-steps of "
              f"work; {tuned.ruled_out} moves ruled out unscheduled by the order bound); best from {tuned.best.origin}"]
     cut_short = tuned.cut_short
+    if unsimulated:
+        notes.append(f"time limit: {len(unsimulated)} baseline{'s' if len(unsimulated) > 1 else ''} not simulated "
+                     f"({', '.join(unsimulated)}); the speedups are over the {len(baseline_sims)} that were")
+        cut_short = True
 
     # 4. CP-SAT over the tuner's structure, hinted with its order; where recomputation was tried
     #    and won, over the best plan without it too (what recompute=False refines), so allowing
@@ -251,9 +255,10 @@ def plan(
         stage_seconds["solver"] = time.perf_counter() - clock
 
     # 5. report
-    final = searched = simulate(best_plan, costs, cluster, memory=memory)
+    tuned_sim = simulate(tuned.best.plan, costs, cluster, memory=memory)
+    final = searched = tuned_sim if best_plan is tuned.best.plan else simulate(best_plan, costs, cluster, memory=memory)
     rows = [_row(name, "baseline", sim, activation_budget, memory_limit) for name, sim in baseline_sims.items()]
-    rows.append(_row("octopipe tuner", "tuner", simulate(tuned.best.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
+    rows.append(_row("octopipe tuner", "tuner", tuned_sim, activation_budget, memory_limit))
     if refinement is not None:
         rows.append(_row("octopipe solver", "solver", simulate(refinement.plan, costs, cluster, memory=memory), activation_budget, memory_limit))
     chosen = "octopipe solver" if origin == "solver" else "octopipe tuner"
@@ -467,6 +472,37 @@ def _check_inputs(costs: CostTable, cluster: ClusterSpec, num_microbatches: int,
 
 def _named(costs: CostTable) -> str:
     return f" of {costs.model}" if costs.model else ""
+
+
+def _baselines_in_time(costs: CostTable, cluster: ClusterSpec, num_microbatches: int, num_devices: int,
+                       memory: MemoryModel, activation_limit: float | str | None, memory_limit: float,
+                       deadline: float) -> tuple[dict[str, PipelinePlan], dict[str, SimResult], list[str]]:
+    """Every baseline plan and its simulation, in `schedules.NAMES` order, and the names of those
+    left unsimulated: the 1F1B ones come first (an activation limit of "1f1b" is theirs) and are
+    always simulated; past `deadline`, once one simulated plan fits the limits (the fallback
+    that keeps the returned plan valid), the rest are left out. The plans are built here for
+    this table (schedules' tests check that they validate), so they are not validated again."""
+    plans: dict[str, PipelinePlan] = {}
+    sims: dict[str, SimResult] = {}
+    left: list[str] = []
+    one_fits = False
+    for name, plan_ in schedules.iter_baselines(costs, cluster, num_microbatches, num_devices=num_devices,
+                                                first=("1f1b",)):
+        if not name.startswith("1f1b/") and time.perf_counter() > deadline:
+            if not one_fits:
+                try:
+                    budget = _activation_limit(activation_limit, sims)
+                except PlanError:  # (no 1F1B plan for this input: its limit is refused below)
+                    budget = None
+                one_fits = any(_row(key, "baseline", sim, budget, memory_limit).fits for key, sim in sims.items())
+            if one_fits:
+                left.append(name)
+                continue
+        plans[name] = plan_
+        sims[name] = simulate(plan_, costs, cluster, memory=memory, validated=True)
+    order = list(schedules.baselines_order())
+    return ({name: plans[name] for name in sorted(plans, key=order.index)},
+            {name: sims[name] for name in sorted(sims, key=order.index)}, sorted(left, key=order.index))
 
 
 def _activation_limit(limit: float | str | None, baseline_sims: dict[str, SimResult]) -> float | None:

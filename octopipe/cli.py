@@ -1230,16 +1230,21 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
 
     batch, seq_len = (int(n) for n in ids.shape)
     common: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch, replicas=args.data_parallel,
-                                  dtype=args.data_dtype, vocab_size=vocabulary_size(model))
+                                  vocab_size=vocabulary_size(model))
+
+    def raw(path: str) -> str | None:  # --data-dtype is a raw file's; a .npy file names its own
+        return None if Path(path).suffix == ".npy" else args.data_dtype
+
     seed = DATA_SEED if args.data_seed is None else args.data_seed
-    train = TokenBatches(args.data, seed=seed, what="--data", **common)
-    valid = TokenBatches(args.eval_data, shuffle=False, what="--eval-data", **common) if args.eval_data else None
+    train = TokenBatches(args.data, seed=seed, dtype=raw(args.data), what="--data", **common)
+    valid = (TokenBatches(args.eval_data, shuffle=False, dtype=raw(args.eval_data), what="--eval-data", **common)
+             if args.eval_data else None)
     if args.split is not None:  # one file: a training part, a validation part (and a test part, unread)
         parts = split_samples(train.file_samples, args.split, "train --split")
-        train = TokenBatches(args.data, seed=seed, samples=parts[0], what="--data", **common)
+        train = TokenBatches(args.data, seed=seed, samples=parts[0], dtype=raw(args.data), what="--data", **common)
         if args.split[1] > 0:
-            valid = TokenBatches(args.data, shuffle=False, samples=parts[1], what="--data (its validation split)",
-                                 **common)
+            valid = TokenBatches(args.data, shuffle=False, samples=parts[1], dtype=raw(args.data),
+                                 what="--data (its validation split)", **common)
     if scan:
         for data in (train, valid):
             if data is not None:
@@ -1833,7 +1838,8 @@ def _parser() -> argparse.ArgumentParser:
                         "replica (every replica its own); a resumed run reads on from its iteration. For token "
                         "models: one input of ids, the next ids as target")
     p.add_argument("--data-dtype", choices=tuple(DATA_DTYPES), default=None,
-                   help="the token type of a raw --data / --eval-data file (default uint16; a .npy names its own)")
+                   help="the token type of a raw --data / --eval-data file (default uint16); a .npy file names its own, "
+                        "and this does not apply to it")
     p.add_argument("--data-seed", type=_non_negative_int, default=None, metavar="S",
                    help="the shuffle's seed: epoch e's order is a permutation drawn from S + e (default 1234, "
                         "Megatron's --seed)")

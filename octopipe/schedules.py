@@ -51,10 +51,11 @@ boundaries [0, b1, ..., L].
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -612,8 +613,14 @@ def build(
         family.requires(p, num_microbatches)
     placement = placement_of(name, p, v)
     bounds = _boundaries(partition, costs, placement, options, name)
-    orders = family.order(p, num_microbatches, v)
-    return PipelinePlan.build(num_microbatches, bounds, placement, orders, num_devices=p)
+    return PipelinePlan.build(num_microbatches, bounds, placement, _orders(name, p, num_microbatches, v), num_devices=p)
+
+
+@functools.lru_cache(maxsize=64)
+def _orders(name: str, p: int, m: int, v: int) -> tuple[tuple[Op, ...], ...]:
+    """Family `name`'s per-device op orders: they do not depend on the partition, so a family's
+    uniform and balanced plans (and `every_partition`'s) share one generated order."""
+    return tuple(tuple(ops) for ops in _family(name).order(p, m, v))
 
 
 EVERY_PARTITION_LIMIT = 32
@@ -659,13 +666,24 @@ def baselines(
     "<family>/<partition>" (e.g. "1f1b/uniform", "zb-v/balanced"), in `NAMES` order. A family
     that is undefined here (too few layers for its stages, a microbatch count it cannot run) is
     left out."""
-    plans: dict[str, PipelinePlan] = {}
-    for name in NAMES:
+    return dict(iter_baselines(costs, cluster, num_microbatches, num_devices=num_devices))
+
+
+def baselines_order() -> Iterator[str]:
+    """Every baseline's key, "<family>/<partition>", in `baselines`' order."""
+    return (f"{name}/{partition}" for name in NAMES for partition in PARTITIONS)
+
+
+def iter_baselines(
+    costs: CostTable, cluster: ClusterSpec, num_microbatches: int, *, num_devices: int | None = None,
+    first: Sequence[str] = (),
+) -> Iterator[tuple[str, PipelinePlan]]:
+    """`baselines`' plans one at a time, each built when asked for: the families in `first`, then
+    the others, in `NAMES` order (so a caller short of time can stop after those it needs most)."""
+    for name in [*first, *(name for name in NAMES if name not in first)]:
         for partition in PARTITIONS:
             try:
-                plans[f"{name}/{partition}"] = build(
-                    name, costs, cluster, num_microbatches, num_devices=num_devices, partition=partition
-                )
+                plan = build(name, costs, cluster, num_microbatches, num_devices=num_devices, partition=partition)
             except PlanError:
                 continue
-    return plans
+            yield f"{name}/{partition}", plan

@@ -1516,6 +1516,7 @@ def test_train_data_refusals(tmp_path, capsys):
             (["--data", str(tmp_path / "big.bin"), "--seq-len", "8"],
              "token 3\\d\\d at position \\d+ is outside the model's vocabulary of 256"),
             (["--data", str(train), "--data-dtype", "uint32"], "other dtype than the uint32 it is read as"),
+
             (["--data", str(train), "--split", "98,2", "--eval-data", str(valid)], "--eval-data FILE .* or --split"),
             (["--data", str(train), "--split", "1,0,1", "--eval-interval", "2"],
              "--split 1,0,1 leaves no validation part"),
@@ -1523,6 +1524,11 @@ def test_train_data_refusals(tmp_path, capsys):
             (["--split", "98,2"], "train --split: applies to --data FILE")):
         assert main(["train", "--model", "llama", "--steps", "1", "--quiet", *extra]) == EXIT_ERROR, extra
         assert re.search(error, capsys.readouterr().err), (extra, error)
+    # --data-dtype is a raw file's: a .npy validation file beside a raw uint32 one keeps its own
+    np.fromfile(train, dtype=np.uint16).astype(np.uint32).tofile(tmp_path / "train32.bin")
+    assert main(["train", "--model", "llama", "--steps", "1", "--quiet", "--data", str(tmp_path / "train32.bin"),
+                 "--data-dtype", "uint32", "--eval-data", str(valid), "--eval-iters", "1"]) == EXIT_OK
+    assert "validation after 1 step: loss" in capsys.readouterr().out
     assert main(["train", "--model", "multimodal", "--data", str(train), "--steps", "1", "--quiet"]) == EXIT_ERROR
     assert "--data feeds token models only" in capsys.readouterr().err
     assert main(["train", "--model", "multimodal", "--data", "/cluster/t.bin", "--torchrun"]) == EXIT_ERROR

@@ -486,6 +486,30 @@ def test_time_limit_too_short_returns_a_valid_plan_and_says_it_was_cut_short():
     assert "cut short" in str(result.report)
 
 
+def test_a_time_limit_spent_on_the_baselines_leaves_the_rest_unsimulated_and_named():
+    # simulating every baseline once took 0.02-0.35 s on the profiled tables, whatever the limit;
+    # past it, only the 1F1B ones (the "1f1b" activation limit is theirs) and a fitting fallback run
+    from pathlib import Path
+
+    from octopipe import profiles, schedules
+
+    costs = profiles.load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles" / "deepseek-16B-seq4096.json")
+    cluster = ClusterSpec.preset("h100x8")
+    result = octopipe.plan(costs, cluster, 64, time_limit_s=0.001, activation_limit="1f1b", quiet=True)
+    check_result(result, costs, cluster)
+    names = [row.name for row in result.report.rows if row.kind == "baseline"]
+    note = next(note for note in result.report.notes if note.startswith("time limit:"))
+    left = note.split("(")[1].split(")")[0].split(", ")
+    assert "1f1b/uniform" in names and "1f1b/balanced" in names and left
+    assert f"the speedups are over the {len(names)} that were" in note and result.report.cut_short
+    whole = octopipe.plan(costs, cluster, 64, time_limit_s=60, effort=1e-6, activation_limit="1f1b", quiet=True)
+    every = [row.name for row in whole.report.rows if row.kind == "baseline"]
+    assert every == list(schedules.baselines(costs, cluster, 64)) and len(every) >= 12
+    assert sorted(names + left, key=every.index) == every  # (in the baselines' own order)
+    assert not any(note.startswith("time limit:") for note in whole.report.notes)
+    assert whole.report.activation_limit_bytes == result.report.activation_limit_bytes
+
+
 def test_the_time_limit_holds_while_candidate_structures_are_built():
     # the release-aware candidate structures (a CP-SAT solve each, about 0.35 s here) ignored the
     # time limit: a 2 s plan of DeepSeek-16B on 4 devices took 7-8 s
