@@ -236,12 +236,10 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
         if before and step == warmup:
             for engine, state in zip(engines, before):
                 engine.load_state_dict(state)
-        # with token data, each step its own batch (the warm-up the first step's), each replica its share
-        iteration = first_step + max(step - warmup, 0)
         # alternate the pipelines step by step, so drift in machine load hits them alike
         for index, (engine, optimizer) in enumerate(zip(engines, optimizers)):
-            if data is not None:
-                inputs, target = data.train.batch(iteration, engine.replicas.replica)
+            if data is not None:  # each step its own batch (the warm-up the first step's), each replica its share
+                inputs, target = data.batch(max(step - warmup, 0), engine.replicas.replica)
             probe = index < len(probes) and probes[index] and step >= warmup
             if rewarm:
                 engine.step(inputs, target)
@@ -257,7 +255,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if save and step >= warmup and saves_after(done, first_step + steps, save_every):
                 # (collective; outside the timed span)
                 engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
-                                       extra={"iteration": done})
+                                       extra={"iteration": done,
+                                              **(data.saved(step - warmup + 1) if data is not None else {})})
             if data is not None and step >= warmup and data.evaluates_after(done, first_step + steps):
                 evaluations[index].append((done, data.evaluate(engine)))  # (collective; outside the timed span)
             if step >= warmup:

@@ -935,7 +935,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         from octopipe.runtime.materialize import saved_extra
 
-        args.first_step = _resumed_iteration(saved_extra(args.resume, 0), args.resume)  # (the workers load the rest)
+        extra = saved_extra(args.resume, 0)
+        args.first_step = _resumed_iteration(extra, args.resume)  # (the workers load the rest)
+        if data is not None:
+            note = data.resume(extra, f"train --resume {args.resume}")
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+            if data.consumed:
+                print(f"data: resumed after the checkpoint's {data.consumed:,} sequences")
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
@@ -1386,16 +1393,23 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     target = target.to(device) if target is not None else None
     optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save))
     if args.resume:
-        args.first_step = _resumed_iteration(engine.load_checkpoint(args.resume), args.resume)
+        extra = engine.load_checkpoint(args.resume)
+        args.first_step = _resumed_iteration(extra, args.resume)
+        if data is not None:
+            note = data.resume(extra, f"train --resume {args.resume}")
+            if note and rank == 0:
+                print(f"note: {note}", file=sys.stderr)
     if first is not None:
         print(first.dump("plan"), flush=True)
         if data is not None:
             print(_describe_data(data), flush=True)
+            if data.consumed:
+                print(f"data: resumed after the checkpoint's {data.consumed:,} sequences", flush=True)
     step_ms = []
     schedule = _lr_schedule(args)
     for step in range(args.steps):
-        if data is not None:  # (each replica its share of the iteration's batch)
-            inputs, target = data.train.batch(args.first_step + step, engine.replicas.replica)
+        if data is not None:  # (each replica its share of the step's batch)
+            inputs, target = data.batch(step, engine.replicas.replica)
         start = time.perf_counter()
         loss = engine.step(inputs, target)
         if args.clip_grad is not None:
@@ -1413,7 +1427,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         if _saves_at(args, step):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, args.first_step + step + 1), sharded=args.save_sharded,
-                                   background=args.async_save, extra={"iteration": args.first_step + step + 1})
+                                   background=args.async_save,
+                                   extra={"iteration": args.first_step + step + 1,
+                                          **(data.saved(step + 1) if data is not None else {})})
         done = args.first_step + step + 1
         if data is not None and data.evaluates_after(done, args.first_step + args.steps):
             loss = data.evaluate(engine)  # (collective)

@@ -9,11 +9,12 @@ dtype). The stream is memory-mapped, never read whole.
   after the last (so consecutive sequences share one token, as Megatron's GPT dataset cuts them):
   a sequence's first `seq_len` tokens are the model's input and its last `seq_len` the target, the
   next token at every position. A tail shorter than that is left out.
-- Each step (iteration `k`, counted from 0 over the whole run, so a resumed run goes on where
-  the checkpoint's iteration left off) takes the next `replicas * batch_size` sequences of an
-  order that is a seeded permutation per epoch (`shuffle`) or the file's own (validation);
-  replica `r` takes the `r`-th `batch_size` of them. Across epochs the orders follow one another,
-  so a global batch may span two.
+- Each step takes the next `replicas * batch_size` sequences of an order that is a seeded
+  permutation per epoch (`shuffle`) or the file's own (validation); replica `r` takes the `r`-th
+  `batch_size` of them. Across epochs the orders follow one another, so a global batch may span
+  two. A run resumed from a checkpoint goes on after the sequences it consumed (`TrainingData`
+  keeps them with the checkpoint, as Megatron keeps its consumed_samples), so another batch size
+  or replica count after a resume neither skips nor repeats any.
 - Every batch is checked against the model's vocabulary (`vocab_size`) before it is used: a token
   id out of range is an error that names the file and the token's position, not an index error
   inside an embedding on some rank.
@@ -153,11 +154,18 @@ class TokenBatches:
 
     def sample_indices(self, iteration: int, replica: int = 0) -> list[int]:
         """The sequences replica `replica` trains on at `iteration` (0-based over the whole run)."""
-        if not 0 <= replica < self.replicas:
-            raise ArgumentError(f"{self.what} {self.path}: replica {replica} out of range 0..{self.replicas - 1}")
         if iteration < 0:
             raise ArgumentError(f"{self.what} {self.path}: iteration {iteration} is negative")
-        first = iteration * self.global_batch + replica * self.batch_size
+        return self.indices_at(iteration * self.global_batch, replica)
+
+    def indices_at(self, position: int, replica: int = 0) -> list[int]:
+        """The sequences replica `replica` reads of the global batch that starts at `position` of
+        the order (the sequences read before it, over the whole run: Megatron's consumed samples)."""
+        if not 0 <= replica < self.replicas:
+            raise ArgumentError(f"{self.what} {self.path}: replica {replica} out of range 0..{self.replicas - 1}")
+        if position < 0:
+            raise ArgumentError(f"{self.what} {self.path}: position {position} is negative")
+        first = position + replica * self.batch_size
         start = self.samples[0] if self.samples is not None else 0
         indices = []
         for position in range(first, first + self.batch_size):
@@ -168,14 +176,20 @@ class TokenBatches:
     def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
         """((input ids,), target ids) for `replica` at `iteration`: int64 tensors of
         [batch_size, seq_len], the target the input shifted by one token."""
-        rows = np.stack([np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1])
-                         for i in self.sample_indices(iteration, replica)])
+        if iteration < 0:
+            raise ArgumentError(f"{self.what} {self.path}: iteration {iteration} is negative")
+        return self.batch_at(iteration * self.global_batch, replica)
+
+    def batch_at(self, position: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        """`batch` of the global batch that starts at `position` of the order (`indices_at`)."""
+        indices = self.indices_at(position, replica)
+        rows = np.stack([np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1]) for i in indices])
         tokens = torch.from_numpy(rows.astype(np.int64))
         if self.vocab_size is not None:
             bad = (tokens >= self.vocab_size) | (tokens < 0)
             if bool(bad.any()):
                 row, column = (int(x) for x in bad.nonzero()[0])
-                sample = self.sample_indices(iteration, replica)[row]
+                sample = indices[row]
                 raise DataError(self._outside(int(tokens[row, column]), sample * self.seq_len + column))
         return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
 
@@ -261,10 +275,43 @@ class TrainingData:
     eval_interval: int | None = None
     """None: evaluate after the last step only."""
     eval_iters: int = 4
+    consumed: int = 0
+    """Training sequences read before this run (a resumed checkpoint's consumed samples): step k
+    of this run reads the global batch at `consumed + k * global_batch` of the order, so a run
+    resumed with another batch or replica count reads on where the last one stopped."""
 
     def __post_init__(self) -> None:
         if self.valid is not None:
             self.valid.check_enough(self.eval_iters)
+
+    def batch(self, step: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        """Replica `replica`'s batch at step `step` of this run (0-based)."""
+        return self.train.batch_at(self.consumed + step * self.train.global_batch, replica)
+
+    def saved(self, steps: int) -> dict[str, Any]:
+        """What a checkpoint taken after `steps` steps of this run keeps of the data: the sequences
+        consumed (Megatron's consumed_samples) and which order they were read in."""
+        train = self.train
+        return {"consumed_samples": self.consumed + steps * train.global_batch,
+                "data": {"path": str(train.path), "seed": train.seed, "seq_len": train.seq_len,
+                         "samples": list(train.samples) if train.samples is not None else None}}
+
+    def resume(self, extra: dict[str, Any], where: str) -> str | None:
+        """Take a resumed checkpoint's `extra` (what `saved` wrote; a checkpoint without it was
+        trained on other batches: the data starts at its beginning): set `consumed`, and return a
+        note where the checkpoint read another file or order than this run does, else None."""
+        consumed = extra.get("consumed_samples", 0)
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise DataError(f"{where}: its consumed_samples is {consumed!r}, not a count of sequences")
+        self.consumed = consumed
+        before, now = extra.get("data"), self.saved(0)["data"]
+        if "consumed_samples" not in extra:
+            return (f"{where}: the checkpoint keeps no data position (trained without --data): this run reads "
+                    f"{self.train.path} from its first sequence")
+        if before != now:
+            return (f"{where}: the checkpoint was trained on {before}, this run reads {now}; it goes on from the "
+                    f"{consumed:,} sequences consumed, in this run's order")
+        return None
 
     def evaluates_after(self, done: int, last: int) -> bool:
         """Whether to evaluate once `done` iterations are done, `last` being the run's final one."""

@@ -1490,6 +1490,12 @@ def test_train_on_token_data_resumes_where_its_iteration_left_off_also_under_tor
     out = capsys.readouterr().out
     resumed, evaluations = _losses_and_evaluations(out)
     assert resumed == whole[2:] and "step 3: loss" in out and list(evaluations) == [4]
+    assert "data: resumed after the checkpoint's 16 sequences" in out
+    # with another batch size it reads on after those 16 sequences: a global batch of 16 from there
+    assert main([*words, "--steps", "1", "--resume", str(tmp_path / "a.pt"), "--batch-size", "16"]) == EXIT_OK
+    assert "data: resumed after the checkpoint's 16 sequences" in capsys.readouterr().out
+    assert main([*words, "--steps", "1", "--resume", str(tmp_path / "a.pt"), "--data-seed", "4"]) == EXIT_OK
+    assert "note: train --resume" in capsys.readouterr().err
     # the printed torchrun line carries the data flags; run as it runs, the same losses
     assert main([*words, "--steps", "4", "--nprocs", "8", "--eval-data", "valid.npy", "--eval-iters", "2",
                  "--torchrun"]) == EXIT_OK

@@ -143,3 +143,26 @@ def test_a_split_reads_its_own_range_of_the_files_sequences(stream):
         TokenBatches(str(stream), seq_len=10, batch_size=1, samples=(90, 101))
     with pytest.raises(DataError, match="need 8 sequences of 10 \\+ 1 tokens, but its split holds 5; evaluate fewer"):
         TrainingData(shuffled, part, eval_iters=2)
+
+
+def test_a_resumed_run_reads_on_after_the_sequences_consumed_whatever_its_batch(stream):
+    def data(batch_size, replicas=1, seed=1234):
+        return TrainingData(TokenBatches(str(stream), seq_len=10, batch_size=batch_size, replicas=replicas, seed=seed))
+
+    first = data(4)
+    assert first.batch(3)[0][0].tolist() == first.train.batch(3)[0][0].tolist()
+    saved = {"iteration": 3, **first.saved(3)}
+    assert saved["consumed_samples"] == 12 and saved["data"]["seed"] == 1234
+    order = [i for k in range(10) for i in first.train.sample_indices(k)]
+    wider = data(4, replicas=2)  # a global batch of 8 after one of 4
+    assert wider.resume(saved, "ckpt") is None and wider.consumed == 12
+    (zero,), _ = wider.batch(0, 0)
+    (one,), _ = wider.batch(0, 1)
+    assert [row[0].item() // 10 for row in (*zero, *one)] == order[12:20]
+    assert wider.saved(1)["consumed_samples"] == 20 and wider.saved(1)["data"] == first.saved(0)["data"]
+    other = data(4, seed=9)
+    assert "this run reads" in other.resume(saved, "ckpt") and other.consumed == 12
+    fresh = data(4)
+    assert "keeps no data position" in fresh.resume({"iteration": 5}, "ckpt") and fresh.consumed == 0
+    with pytest.raises(DataError, match="its consumed_samples is -1"):
+        fresh.resume({"consumed_samples": -1}, "ckpt")
