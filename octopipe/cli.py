@@ -180,6 +180,8 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
         from octopipe.errors import OctopipeError
 
         raise OctopipeError(f"--devices {args.devices}: {plan_file} runs on {saved.num_devices} devices (drop the option)")
+    if args.command == "train" and (args.global_batch_size is not None or args.micro_batch_size is not None):
+        _megatron_batch(args)
     if hasattr(args, "microbatches") and args.microbatches is None:
         args.microbatches = saved.num_microbatches if saved is not None else 4
     if hasattr(args, "nprocs"):
@@ -197,6 +199,30 @@ def _resolve_defaults(args: argparse.Namespace) -> None:
             args.batch_size = saved_size * saved.num_microbatches  # the batch the plan was costed on
         else:
             args.batch_size = _default_batch_size(max(1, getattr(args, "microbatches", 1) or 1))
+
+
+def _megatron_batch(args: argparse.Namespace) -> None:
+    """--global-batch-size G --micro-batch-size b (Megatron's): --batch-size G / D and
+    --microbatches G / (D x b) for D replicas, refusing what does not divide or is given twice."""
+    from octopipe.errors import OctopipeError
+
+    if args.global_batch_size is None or args.micro_batch_size is None:
+        given, other = (("--global-batch-size", "--micro-batch-size") if args.micro_batch_size is None else
+                        ("--micro-batch-size", "--global-batch-size"))
+        raise OctopipeError(f"train {given}: give {other} too (Megatron sizes a step by both), or size it by "
+                            "--batch-size and --microbatches")
+    twice = [flag for flag, value in (("--batch-size", args.batch_size), ("--microbatches", args.microbatches))
+             if value is not None]
+    if twice:
+        raise OctopipeError(f"train {twice[0]}: the step is sized by --global-batch-size and --micro-batch-size; give "
+                            "those or --batch-size and --microbatches, not both")
+    replicas, micro, whole = args.data_parallel, args.micro_batch_size, args.global_batch_size
+    if whole % (micro * replicas):
+        raise OctopipeError(f"train --global-batch-size {whole}: not a multiple of --micro-batch-size {micro} x "
+                            f"{replicas} replica{'s' if replicas > 1 else ''} (each replica takes an equal share, cut "
+                            "into whole microbatches)")
+    args.batch_size, args.microbatches = whole // replicas, whole // (micro * replicas)
+    args.model_options.append("--global-batch-size")
 
 
 def _default_batch_size(microbatches: int) -> int:
@@ -950,10 +976,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                            save_sharded=args.save_sharded, save_background=args.async_save,
                            first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data)
     evaluations = dict(timing.evaluations)
+    log = _StepLog(args, data)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
-        print(f"step {args.first_step + step}: loss {loss:.5f}  {ms:.1f} ms" + _lr_note(args, args.first_step + step) + (_skipped_note(timing.loss_scales[step]) if skipped else "")
-              + (_saved_note(args, step) if _saves_at(args, step) else ""))
+        line = log.line(step, loss, ms, skipped, timing.loss_scales[step] if skipped else None)
+        if line:
+            print(line)
         done = args.first_step + step + 1
         if done in evaluations:
             print(_evaluation_line(done, evaluations[done]))
@@ -1041,6 +1069,49 @@ def _resumed_iteration(extra: dict[str, Any], path: str) -> int:
 
         raise OctopipeError(f"train --resume {path}: its saved iteration is {iteration!r}, not a count of steps")
     return iteration
+
+
+class _StepLog:
+    """`train`'s step lines: one a step, or with --log-interval N one every N steps and after the
+    last (Megatron's --log-interval), its loss and time the means over those steps. With token data
+    each line also gives the tokens trained on a second (each step's global batch x sequence)."""
+
+    def __init__(self, args: argparse.Namespace, data: Any) -> None:
+        self.args = args
+        self.interval = args.log_interval or 1
+        self.tokens = data.train.global_batch * data.train.seq_len if data is not None else None
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.notes: list[str] = []
+        self.skipped = 0
+        self.scale: float | None = None
+
+    def line(self, step: int, loss: float, ms: float, skipped: bool, scale: float | None) -> str | None:
+        """Take step `step` (0-based in this run); the line to print, if one is due."""
+        args = self.args
+        self.losses.append(loss)
+        self.times.append(ms)
+        if skipped:
+            self.skipped += 1
+            self.scale = scale
+        if _saves_at(args, step):
+            self.notes.append(_saved_note(args, step))
+        if (step + 1) % self.interval and step + 1 < args.steps:
+            return None
+        count, number = len(self.losses), args.first_step + step
+        ms = sum(self.times) / count
+        text = f"step {number}: loss {sum(self.losses) / count:.5f}  {ms:.1f} ms"
+        if self.tokens is not None and ms > 0:
+            text += f"  {self.tokens / ms * 1e3:,.0f} tokens/s"
+        text += _lr_note(args, number)
+        if count > 1:
+            text += f"  (means of steps {number - count + 1}-{number})"
+        if self.skipped:
+            text += (_skipped_note(self.scale) if count == 1 else
+                     f"  ({self.skipped} of them skipped: an inf or nan gradient; loss scale now {self.scale:g})")
+        text += "".join(self.notes)
+        self.losses, self.times, self.notes, self.skipped = [], [], [], 0
+        return text
 
 
 def _skipped_note(scale: float | None) -> str:
@@ -1407,6 +1478,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                 print(f"data: resumed after the checkpoint's {data.consumed:,} sequences", flush=True)
     step_ms = []
     schedule = _lr_schedule(args)
+    log = _StepLog(args, data)
     for step in range(args.steps):
         if data is not None:  # (each replica its share of the step's batch)
             inputs, target = data.batch(step, engine.replicas.replica)
@@ -1420,10 +1492,10 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             optimizer.step()
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
-        if rank == 0:
-            print(f"step {args.first_step + step}: loss {loss:.5f}  {step_ms[-1]:.1f} ms" + _lr_note(args, args.first_step + step)
-                  + (_skipped_note(engine.loss_scaler.scale if engine.loss_scaler else None)
-                     if engine.skipped_step else "") + (_saved_note(args, step) if _saves_at(args, step) else ""), flush=True)
+        line = log.line(step, loss, step_ms[-1], engine.skipped_step,
+                        engine.loss_scaler.scale if engine.loss_scaler else None)
+        if line and rank == 0:
+            print(line, flush=True)
         if _saves_at(args, step):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, args.first_step + step + 1), sharded=args.save_sharded,
@@ -1846,6 +1918,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="a saved plan (default: plan now)")
     p.add_argument("--schedule", metavar="NAME", help="run a baseline schedule instead (1f1b, zb-v, ...)")
     p.add_argument("--steps", type=_positive_int, default=5)
+    p.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="G",
+                   help="with --micro-batch-size, Megatron's way to size a step: G samples a step over all "
+                        "--data-parallel replicas, each replica's G / D cut into microbatches of "
+                        "--micro-batch-size (sets --batch-size G / D and --microbatches G / (D x b))")
+    p.add_argument("--micro-batch-size", type=_positive_int, default=None, metavar="b",
+                   help="with --global-batch-size: the samples of one microbatch (Megatron's flag)")
+    p.add_argument("--log-interval", type=_positive_int, default=None, metavar="N",
+                   help="print a step line every N steps (and after the last), its loss and time the means over "
+                        "them (Megatron's --log-interval; default 1)")
     p.add_argument("--data", metavar="FILE", default=None,
                    help="train on the token ids in FILE instead of the model's one example batch: a raw binary "
                         "stream (uint16 unless --data-dtype, as Megatron's and nanoGPT's preprocessing write) or a "

@@ -1558,3 +1558,32 @@ def test_train_split_validates_on_the_files_own_tail(tmp_path, capsys):
     # all of the file: other batches
     assert main(words[:-2]) == EXIT_OK
     assert _losses_and_evaluations(capsys.readouterr().out)[0][1] != losses[1]
+
+
+def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
+    # Megatron's --global-batch-size / --micro-batch-size size the step; --log-interval N prints
+    # the means of every N steps; with token data each line gives the tokens trained on a second
+    train, _ = _token_files(tmp_path)
+    words = ["train", "--model", "llama", "--data", str(train), "--schedule", "1f1b", "--quiet", "--steps", "5",
+             "--lr", "0.01"]
+    assert main([*words, "--batch-size", "8", "--microbatches", "4"]) == EXIT_OK
+    out = capsys.readouterr().out
+    each = [float(x) for x in re.findall(r"^step \d: loss ([\d.]+)  [\d.]+ ms  [\d,]+ tokens/s$", out, re.MULTILINE)]
+    assert len(each) == 5
+    assert main([*words, "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "2"]) == EXIT_OK
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 3", "step 4"]
+    assert lines[0].endswith("(means of steps 0-1)") and "(means" not in lines[2]
+    means = [float(line.split()[3]) for line in lines]
+    assert means == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2, each[4]], abs=2e-5)
+    assert main(["train", "--model", "llama", "--global-batch-size", "32", "--micro-batch-size", "2",
+                 "--data-parallel", "2", "--nprocs", "4", "--torchrun"]) == EXIT_OK
+    assert "--batch-size 16 --microbatches 8" in capsys.readouterr().out
+    for extra, error in ((["--global-batch-size", "8"], "give --micro-batch-size too"),
+                         (["--micro-batch-size", "2"], "give --global-batch-size too"),
+                         (["--global-batch-size", "8", "--micro-batch-size", "3"],
+                          "not a multiple of --micro-batch-size 3 x 1 replica"),
+                         (["--global-batch-size", "8", "--micro-batch-size", "2", "--batch-size", "8"],
+                          "give those or --batch-size and --microbatches, not both")):
+        assert main(["train", "--model", "llama", "--steps", "1", *extra]) == EXIT_ERROR, extra
+        assert error in capsys.readouterr().err, extra
