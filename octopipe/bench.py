@@ -122,16 +122,30 @@ def _check_optimizer(name: str) -> None:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
 
 
-def training_optimizer(name: str, params: Sequence[Any], learning_rate: float) -> Any:
-    """The optimizer `octopipe train` and the measured runs step: "sgd" or "adamw" (torch's
-    defaults otherwise). None for a rank without parameters (a plan may leave one idle)."""
+def training_optimizer(name: str, params: Sequence[Any], learning_rate: float,
+                       options: Mapping[str, Any] | None = None) -> Any:
+    """The optimizer `octopipe train` and the measured runs step: "sgd" or "adamw", with torch's
+    defaults but for `options` (`train`'s Megatron flags): `weight_decay`, which decays only the
+    parameters of two or more dimensions (Megatron's rule: no decay on biases and norm weights;
+    without it AdamW decays every parameter by torch's 0.01 and SGD none), `betas` and `eps`
+    (AdamW), `momentum` (SGD). None for a rank without parameters (a plan may leave one idle)."""
     _check_optimizer(name)
     if not params:
         return None
-    return torch.optim.SGD(params, lr=learning_rate) if name == "sgd" else torch.optim.AdamW(params, lr=learning_rate)
+    settings = dict(options or {})
+    decay = settings.pop("weight_decay", None)
+    groups: Any = params
+    if decay is not None:
+        groups = [group for group in ({"params": [p for p in params if p.ndim >= 2], "weight_decay": decay},
+                                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0})
+                  if group["params"]]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=learning_rate, **settings)
+    return torch.optim.AdamW(groups, lr=learning_rate, **settings)
 
 
-def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: bool = False) -> Any:
+def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: bool = False,
+                       options: Mapping[str, Any] | None = None) -> Any:
     """`training_optimizer` for an engine's parameters; with `shard_optimizer`, attached to the
     engine over its share (every copy of the rank must then step it: the step ends in a
     broadcast among them); with `master_weights`, attached over the fp32 copies (its hooks set
@@ -139,8 +153,8 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: boo
     that the engine's checkpoints hold its state). None for a rank without parameters, unless
     attached."""
     if engine.shard_optimizer or engine.master_weights or attach:
-        return engine.attach_optimizer(lambda params: training_optimizer(name, params, learning_rate))
-    return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate)
+        return engine.attach_optimizer(lambda params: training_optimizer(name, params, learning_rate, options))
+    return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate, options)
 
 
 @dataclass(frozen=True)
@@ -194,7 +208,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   update_in_warmup: bool = True, init: Any = None, loss_scaler: Mapping[str, Any] | None = None,
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
                   save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
-                  lr_schedule: LRSchedule | None = None, data: Any = None
+                  lr_schedule: LRSchedule | None = None, data: Any = None,
+                  optimizer_options: Mapping[str, Any] | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -203,7 +218,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     torch.manual_seed(0)
     engines = [pipe.engine(rank, init=init, loss_scaler=LossScaler(**loss_scaler) if loss_scaler else None)
                for pipe in pipes]
-    optimizers = [attached_optimizer(e, optimizer, learning_rate, attach=bool(resume or save)) if learning_rate
+    optimizers = [attached_optimizer(e, optimizer, learning_rate, attach=bool(resume or save),
+                                     options=optimizer_options) if learning_rate
                   else None for e in engines]
     if resume:  # the whole state: weights, optimizer, fp32 copies, loss scale, dropout streams
         for engine in engines:
@@ -299,7 +315,8 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None,
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
                   save_background: bool = False, first_step: int = 0,
-                  lr_schedule: LRSchedule | None = None, data: Any = None) -> StepTiming:
+                  lr_schedule: LRSchedule | None = None, data: Any = None,
+                  optimizer_options: Mapping[str, Any] | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -321,12 +338,13 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     `lr_schedule`: each update's learning rate, of the iterations before it (`LRSchedule`).
     `data`: an `octopipe.data.TrainingData`: each step trains on its iteration's batch of token
     data (each replica its share; the warm-up on the first step's) instead of `inputs` and
-    `target`, and its validation set is evaluated where it says (the timing's `evaluations`)."""
+    `target`, and its validation set is evaluated where it says (the timing's `evaluations`).
+    `optimizer_options`: `training_optimizer`'s (weight decay, betas, eps, momentum)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
                     save_background=save_background, first_step=first_step, lr_schedule=lr_schedule,
-                    data=data)[0][0]
+                    data=data, optimizer_options=optimizer_options)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -374,7 +392,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              clip_grad: float | None = None, link: bool = False, update_in_warmup: bool = True, init: Any = None,
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
-             first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None
+             first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None,
+             optimizer_options: Mapping[str, Any] | None = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -389,7 +408,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
                                                         save_every, save_sharded, save_background, first_step,
-                                                        lr_schedule, data),
+                                                        lr_schedule, data, optimizer_options),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded

@@ -866,6 +866,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.save_sharded and not args.save:
         raise OctopipeError("train --save-sharded: give --save DIRECTORY too (where every rank writes its shard)")
     _check_lr_schedule(args)
+    _optimizer_options(args)
     _check_data_flags(args)
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
@@ -974,7 +975,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
                            resume=args.resume, save=args.save, save_every=args.save_interval,
                            save_sharded=args.save_sharded, save_background=args.async_save,
-                           first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data)
+                           first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
+                           optimizer_options=_optimizer_options(args))
     evaluations = dict(timing.evaluations)
     log = _StepLog(args, data)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
@@ -1025,6 +1027,41 @@ def _saved_note(args: argparse.Namespace, step: int) -> str:
     from octopipe.bench import save_path
 
     return f"  (saved to {save_path(args.save, args.first_step + step + 1)})"
+
+
+OPTIMIZER_FLAGS = (("--weight-decay", "weight_decay", None), ("--adam-beta1", "adam_beta1", "adamw"),
+                   ("--adam-beta2", "adam_beta2", "adamw"), ("--adam-eps", "adam_eps", "adamw"),
+                   ("--sgd-momentum", "sgd_momentum", "sgd"))
+"""`train`'s optimizer flags (Megatron's names): (flag, argparse name, the optimizer it applies to, None: both)."""
+
+
+def _optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`bench.training_optimizer`'s options from the flags given, refusing one for the other
+    optimizer (and checking them as the optimizer will, here rather than on every rank)."""
+    from octopipe.errors import OctopipeError
+
+    for flag, name, applies in OPTIMIZER_FLAGS:
+        if getattr(args, name) is not None and applies not in (None, args.optimizer):
+            raise OctopipeError(f"train {flag}: applies to --optimizer {applies}, not {args.optimizer}")
+    options: dict[str, Any] = {}
+    if args.weight_decay is not None:
+        options["weight_decay"] = args.weight_decay
+    if args.optimizer == "adamw":
+        if args.adam_beta1 is not None or args.adam_beta2 is not None:
+            options["betas"] = (0.9 if args.adam_beta1 is None else args.adam_beta1,
+                                0.999 if args.adam_beta2 is None else args.adam_beta2)
+        if args.adam_eps is not None:
+            options["eps"] = args.adam_eps
+    elif args.sgd_momentum is not None:
+        options["momentum"] = args.sgd_momentum
+    for flag, name, _ in OPTIMIZER_FLAGS[1:3]:
+        value = getattr(args, name)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise OctopipeError(f"train {flag} {value:g}: must be in [0, 1) (Megatron's default: "
+                                f"{'0.9' if name == 'adam_beta1' else '0.999'})")
+    if args.sgd_momentum is not None and not 0.0 <= args.sgd_momentum < 1.0:
+        raise OctopipeError(f"train --sgd-momentum {args.sgd_momentum:g}: must be in [0, 1)")
+    return options
 
 
 def _check_lr_schedule(args: argparse.Namespace) -> None:
@@ -1462,7 +1499,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     engine = pipe.engine(rank, device=device, init=init, loss_scaler=LossScaler(**scaling) if scaling else None)
     inputs = tuple(t.to(device) for t in inputs)
     target = target.to(device) if target is not None else None
-    optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save))
+    optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save),
+                                   options=_optimizer_options(args))
     if args.resume:
         extra = engine.load_checkpoint(args.resume)
         args.first_step = _resumed_iteration(extra, args.resume)
@@ -1576,6 +1614,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
     words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
+    words += [word for flag, name, _ in OPTIMIZER_FLAGS if getattr(args, name) is not None
+              for word in (flag, str(getattr(args, name)))]
     words += ["--lr-warmup-iters", str(args.lr_warmup_iters)] if args.lr_warmup_iters else []
     if args.lr_decay_style != "constant":
         words += ["--lr-decay-style", args.lr_decay_style, "--lr-decay-iters", str(args.lr_decay_iters)]
@@ -1964,6 +2004,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="the iteration where a linear or cosine decay reaches --min-lr (it stays there after)")
     p.add_argument("--min-lr", type=_non_negative_float, default=0.0, help="the learning rate a decay ends at")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=None, metavar="WD",
+                   help="decoupled weight decay on the parameters of two or more dimensions only (Megatron's flag "
+                        "and rule: none on biases and norm weights); default: torch's (AdamW 0.01 on every "
+                        "parameter, SGD none)")
+    p.add_argument("--adam-beta1", type=float, default=None, help="AdamW's beta1 (default 0.9)")
+    p.add_argument("--adam-beta2", type=float, default=None, help="AdamW's beta2 (default 0.999)")
+    p.add_argument("--adam-eps", type=_positive_float, default=None, help="AdamW's eps (default 1e-8)")
+    p.add_argument("--sgd-momentum", type=float, default=None, help="SGD's momentum (default 0)")
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                    help="clip the gradients' total norm, across ranks, to NORM before each step")
     p.add_argument("--profile", action="store_true",

@@ -1409,8 +1409,9 @@ def _token_files(tmp_path):
     return tmp_path / "train.bin", tmp_path / "valid.npy"
 
 
-def _plain_on_token_data(start, train, valid, replicas, steps, eval_every):
-    """Single-process AdamW on the same global batches: the losses and the validation losses."""
+def _plain_on_token_data(start, train, valid, replicas, steps, eval_every, optimizer=None):
+    """Single-process AdamW (or `optimizer(model)`) on the same global batches: the losses and the
+    validation losses."""
     import torch
 
     from octopipe import models
@@ -1425,7 +1426,7 @@ def _plain_on_token_data(start, train, valid, replicas, steps, eval_every):
         parts = [data.batch(k, r) for r in range(replicas)]
         return torch.cat([inputs for (inputs,), _ in parts]), torch.cat([target for _, target in parts])
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer is None else optimizer(model)
     losses, evaluations = [], {}
     for k in range(steps):
         inputs, target = whole(batches, k)
@@ -1585,5 +1586,46 @@ def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
                           "not a multiple of --micro-batch-size 3 x 1 replica"),
                          (["--global-batch-size", "8", "--micro-batch-size", "2", "--batch-size", "8"],
                           "give those or --batch-size and --microbatches, not both")):
+        assert main(["train", "--model", "llama", "--steps", "1", *extra]) == EXIT_ERROR, extra
+        assert error in capsys.readouterr().err, extra
+
+
+@pytest.mark.timeout(300)
+def test_train_optimizer_flags_are_megatrons(tmp_path, capsys):
+    # --weight-decay decays only the parameters of two or more dimensions (Megatron's rule: not
+    # biases and norm weights); --adam-beta1/2, --adam-eps, --sgd-momentum as torch takes them
+    import torch
+
+    from octopipe import models
+
+    train, valid = _token_files(tmp_path)
+    torch.manual_seed(5)
+    torch.save({"model": models.build("llama", "tiny").state_dict()}, tmp_path / "start.pt")
+    words = ["train", "--model", "llama", "--data", str(train), "--eval-data", str(valid), "--steps", "3", "--lr",
+             "0.01", "--schedule", "zb-h1", "--quiet", "--init", str(tmp_path / "start.pt")]
+
+    def adamw(model):
+        matrices = [p for p in model.parameters() if p.ndim >= 2]
+        vectors = [p for p in model.parameters() if p.ndim < 2]
+        assert matrices and vectors  # (norm weights: the rule has both kinds to sort)
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.3}, {"params": vectors, "weight_decay": 0.0}],
+                                 lr=0.01, betas=(0.8, 0.95), eps=1e-6)
+
+    for extra, optimizer in (
+            (["--optimizer", "adamw", "--weight-decay", "0.3", "--adam-beta1", "0.8", "--adam-beta2", "0.95",
+              "--adam-eps", "1e-6"], adamw),
+            (["--optimizer", "sgd", "--sgd-momentum", "0.9"],
+             lambda model: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))):
+        assert main([*words, *extra]) == EXIT_OK
+        losses, evaluations = _losses_and_evaluations(capsys.readouterr().out)
+        expected, expected_evaluations = _plain_on_token_data(tmp_path / "start.pt", train, valid, 1, 3, 3, optimizer)
+        assert losses == pytest.approx(expected, abs=2e-5) and len(set(losses)) == 3
+        assert evaluations[3] == pytest.approx(expected_evaluations[3], abs=2e-5)
+    assert main(["train", "--model", "llama", "--adam-beta1", "0.8", "--nprocs", "4", "--optimizer", "adamw",
+                 "--weight-decay", "0.1", "--torchrun"]) == EXIT_OK
+    assert "--weight-decay 0.1 --adam-beta1 0.8" in capsys.readouterr().out
+    for extra, error in ((["--adam-beta1", "0.8"], "--adam-beta1: applies to --optimizer adamw, not sgd"),
+                         (["--optimizer", "adamw", "--sgd-momentum", "0.9"], "applies to --optimizer sgd, not adamw"),
+                         (["--optimizer", "adamw", "--adam-beta2", "1"], "--adam-beta2 1: must be in [0, 1)")):
         assert main(["train", "--model", "llama", "--steps", "1", *extra]) == EXIT_ERROR, extra
         assert error in capsys.readouterr().err, extra
