@@ -55,6 +55,9 @@ class StepTiming:
     evaluations: tuple[tuple[int, float], ...] = ()
     """With validation data (`octopipe.data.TrainingData`): (iterations done, validation loss)
     after each evaluation, outside the timed steps."""
+    timelines: tuple[tuple[TimelineEntry, ...], ...] = ()
+    """Where asked for (`measure_steps(trace=True)`): every rank's instructions in the last timed
+    step, in rank order (`measured_trace` draws them)."""
 
     @property
     def median_ms(self) -> float:
@@ -90,6 +93,53 @@ def paired_speedup(ours: StepTiming, theirs: StepTiming) -> PairedSpeedup:
 
 _OP_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 """A compute instruction's op kind in the plan (a fused backward is the plan's B)."""
+
+TimelineEntry = tuple[str, "int | None", "int | None", "int | None", float, float]
+"""One measured instruction: (kind, stage, microbatch, peer rank, start ms, end ms), the times
+from its rank's start of the step (`Engine.timeline`'s, made plain)."""
+
+PREDICTED_PID = 1000
+"""`measured_trace`: the predicted step's devices are processes PREDICTED_PID + device."""
+
+
+def timeline_entries(timeline: Sequence[tuple[Any, float, float]], origin: float) -> tuple[TimelineEntry, ...]:
+    """An engine's recorded timeline (`Engine.timeline`: instruction, start s, end s) as plain
+    entries in ms from `origin` (perf_counter seconds)."""
+    return tuple((instruction.kind.value, instruction.stage, instruction.microbatch, instruction.peer,
+                  (begin - origin) * 1e3, (end - origin) * 1e3) for instruction, begin, end in timeline)
+
+
+def measured_trace(timelines: Sequence[Sequence[TimelineEntry]], predicted: Any = None) -> dict[str, Any]:
+    """A Chrome / Perfetto trace of one measured step: a process per rank, its compute thread
+    (F, B and W named as the plan names them, "<stage><kind><microbatch>", and its other
+    instructions by kind) and its message thread (sends and receives, with the peer rank), in ms
+    from the step's start on that rank. With `predicted` (the plan's SimResult), the predicted
+    step beside it: a process "predicted device d" (pid PREDICTED_PID + d) per device."""
+    events: list[dict[str, Any]] = []
+    for rank, entries in enumerate(timelines):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank} (measured)"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "messages"}})
+        for kind, stage, microbatch, peer, start, end in entries:
+            letter = _OP_LETTER.get(kind)
+            message = kind.startswith(("send", "recv"))
+            if letter is not None:
+                name = f"{stage}{letter}{microbatch}"
+            elif message:
+                name = f"{kind} {stage}:{microbatch} {'to' if kind.startswith('send') else 'from'} rank {peer}"
+            else:
+                name = kind if stage is None else f"{kind} stage {stage}"
+            events.append({"ph": "X", "pid": rank, "tid": 1 if message else 0, "name": name,
+                           "cat": letter or ("comm" if message else kind), "ts": start * 1e3,
+                           "dur": max(end - start, 0.0) * 1e3,
+                           "args": {"stage": stage, "microbatch": microbatch, "peer": peer}})
+    if predicted is not None:
+        for event in predicted.chrome_trace()["traceEvents"]:
+            event = dict(event, pid=PREDICTED_PID + event["pid"])
+            if event["ph"] == "M" and event["name"] == "process_name":
+                event["args"] = {"name": f"predicted {event['args']['name']}"}
+            events.append(event)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def replayed_ms(plan: Any, costs: Any, cluster: ClusterSpec, op_ms: dict[tuple[str, int, int], float]) -> float:
@@ -209,7 +259,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
                   save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
-                  optimizer_options: Mapping[str, Any] | None = None
+                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -229,6 +279,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     scales: list[list[float | None]] = [[] for _ in pipes]
     skipped: list[list[bool]] = [[] for _ in pipes]
     evaluations: list[list[tuple[int, float]]] = [[] for _ in pipes]
+    traced: list[tuple[TimelineEntry, ...]] = [() for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
     op_spans: list[list[dict[tuple[str, int, int], float]]] = [[] for _ in pipes]
     durations: list[Durations] = [{} for _ in pipes]
@@ -257,13 +308,16 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if data is not None:  # each step its own batch (the warm-up the first step's), each replica its share
                 inputs, target = data.batch(max(step - warmup, 0), engine.replicas.replica)
             probe = index < len(probes) and probes[index] and step >= warmup
+            record = trace and step == warmup + steps - 1  # (the last timed step)
             if rewarm:
                 engine.step(inputs, target)
                 after_step(engine, optimizer)
-            engine.timeline = [] if probe else None
+            engine.timeline = [] if probe or record else None
             dist.barrier()
             start = time.perf_counter()
             loss = engine.step(inputs, target)
+            if record:
+                traced[index] = timeline_entries(engine.timeline or [], start)
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
             done = first_step + step - warmup + 1  # (the iteration, counted on from a resumed checkpoint's)
@@ -280,6 +334,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 losses[index].append(float(loss))
                 scales[index].append(engine.loss_scaler.scale if engine.loss_scaler is not None else None)
                 skipped[index].append(engine.skipped_step)
+            if record and not probe:
+                engine.timeline = None
             if probe:
                 busy[index].append(0.0)
                 spans: dict[tuple[str, int, int], float] = {}
@@ -304,9 +360,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
-                       tuple(ev))
-            for t, values, b, o, sc, sk, ev in zip(times, losses, busy, op_spans, scales, skipped, evaluations)
-            ], durations, link_rounds
+                       tuple(ev), (tr,) if trace else ())
+            for t, values, b, o, sc, sk, ev, tr in zip(times, losses, busy, op_spans, scales, skipped, evaluations,
+                                                       traced)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -316,7 +372,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
                   save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
-                  optimizer_options: Mapping[str, Any] | None = None) -> StepTiming:
+                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -339,12 +395,13 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     `data`: an `octopipe.data.TrainingData`: each step trains on its iteration's batch of token
     data (each replica its share; the warm-up on the first step's) instead of `inputs` and
     `target`, and its validation set is evaluated where it says (the timing's `evaluations`).
-    `optimizer_options`: `training_optimizer`'s (weight decay, betas, eps, momentum)."""
+    `optimizer_options`: `training_optimizer`'s (weight decay, betas, eps, momentum). `trace`:
+    record every rank's instructions in the last timed step (the timing's `timelines`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
                     save_background=save_background, first_step=first_step, lr_schedule=lr_schedule,
-                    data=data, optimizer_options=optimizer_options)[0][0]
+                    data=data, optimizer_options=optimizer_options, trace=trace)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -393,7 +450,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
              first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None,
-             optimizer_options: Mapping[str, Any] | None = None
+             optimizer_options: Mapping[str, Any] | None = None, trace: bool = False
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -408,11 +465,12 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                         learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                         link, update_in_warmup, init, loss_scaler, resume, save,
                                                         save_every, save_sharded, save_background, first_step,
-                                                        lr_schedule, data, optimizer_options),
+                                                        lr_schedule, data, optimizer_options, trace),
                      timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded
     timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms),
+                       timelines=tuple(line for rank in results for line in rank[0][index].timelines),
                        op_ms=tuple({key: ms for rank in results for key, ms in rank[0][index].op_ms[step].items()}
                                    for step in range(len(timing.op_ms))))
                for index, timing in enumerate(results[0][0])]

@@ -868,6 +868,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_lr_schedule(args)
     _optimizer_options(args)
     _check_data_flags(args)
+    if args.trace and not args.torchrun:  # (before the training; a printed line's path is the cluster's)
+        _writable(args.trace, "--trace")
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
             raise OctopipeError(f"train --save {args.save}: is a folder; give a file name, or --save-sharded too "
@@ -976,7 +978,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                            resume=args.resume, save=args.save, save_every=args.save_interval,
                            save_sharded=args.save_sharded, save_background=args.async_save,
                            first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
-                           optimizer_options=_optimizer_options(args))
+                           optimizer_options=_optimizer_options(args), trace=bool(args.trace))
     evaluations = dict(timing.evaluations)
     log = _StepLog(args, data)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
@@ -990,6 +992,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.save:
         last = save_path(args.save, args.first_step + args.steps)
         print(f"saved the checkpoint to {last} (train --resume {last} continues from it)")
+    if args.trace:
+        _write_trace(args, timing.timelines, pipe.simulation)
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
@@ -1371,6 +1375,17 @@ def _weights(weights: tuple[float, ...]) -> str:
     return ",".join(f"{w:g}" for w in weights)
 
 
+def _write_trace(args: argparse.Namespace, timelines: Any, predicted: Any) -> None:
+    """--trace: the last step as every rank ran it, beside the prediction (`bench.measured_trace`)."""
+    import json
+
+    from octopipe.bench import measured_trace
+
+    Path(args.trace).write_text(json.dumps(measured_trace(timelines, predicted)))
+    print(f"trace of step {args.first_step + args.steps - 1} as it ran on {len(timelines)} ranks, beside the predicted "
+          f"step, written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+
+
 def _describe_data(data: Any) -> str:
     lines = [f"data: {data.train.describe()}"]
     if data.valid is not None:
@@ -1428,7 +1443,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
 
     import octopipe
     from octopipe import models
-    from octopipe.bench import attached_optimizer, save_path, set_learning_rate
+    from octopipe.bench import attached_optimizer, save_path, set_learning_rate, timeline_entries
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime.amp import LossScaler
 
@@ -1517,11 +1532,17 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     step_ms = []
     schedule = _lr_schedule(args)
     log = _StepLog(args, data)
+    traced: list[Any] = [()]
     for step in range(args.steps):
         if data is not None:  # (each replica its share of the step's batch)
             inputs, target = data.batch(step, engine.replicas.replica)
+        record = args.trace and step == args.steps - 1
+        engine.timeline = [] if record else None
         start = time.perf_counter()
         loss = engine.step(inputs, target)
+        if record:
+            traced = [timeline_entries(engine.timeline or [], start)]
+            engine.timeline = None
         if args.clip_grad is not None:
             engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
@@ -1546,6 +1567,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             if rank == 0:
                 print(_evaluation_line(done, loss), flush=True)
     engine.finish_checkpoint()  # (a background save's index: collective)
+    if args.trace:  # (collective: every rank's timeline to rank 0, which writes the file)
+        timelines: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(traced[0], timelines, dst=0)
+        if first is not None and timelines is not None:
+            _write_trace(args, timelines, first.simulation)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
@@ -1606,7 +1632,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                         ("--data", args.data), ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
                         ("--split", _weights(args.split) if args.split else None),
                         ("--eval-data", args.eval_data), ("--eval-interval", args.eval_interval),
-                        ("--eval-iters", args.eval_iters),
+                        ("--eval-iters", args.eval_iters), ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
@@ -1964,6 +1990,9 @@ def _parser() -> argparse.ArgumentParser:
                         "--micro-batch-size (sets --batch-size G / D and --microbatches G / (D x b))")
     p.add_argument("--micro-batch-size", type=_positive_int, default=None, metavar="b",
                    help="with --global-batch-size: the samples of one microbatch (Megatron's flag)")
+    p.add_argument("--trace", metavar="OUT.json", default=None,
+                   help="write a Chrome / Perfetto trace of the last step as it ran: every rank's ops and messages "
+                        "(ms from the step's start on each rank), beside the plan's predicted step")
     p.add_argument("--log-interval", type=_positive_int, default=None, metavar="N",
                    help="print a step line every N steps (and after the last), its loss and time the means over "
                         "them (Megatron's --log-interval; default 1)")

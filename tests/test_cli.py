@@ -1502,10 +1502,12 @@ def test_train_on_token_data_resumes_where_its_iteration_left_off_also_under_tor
                  "--torchrun"]) == EXIT_OK
     line = capsys.readouterr().out
     assert f"--data {train} --data-seed 3 --eval-data valid.npy --eval-iters 2" in line
-    proc = _torchrun([*words, "--steps", "4", "--nprocs", "2"], tmp_path)
+    proc = _torchrun([*words, "--steps", "4", "--nprocs", "2", "--trace", "t.json"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses_and_evaluations(proc.stdout)[0] == whole
     assert f"data: {train}: 6,000 uint16 tokens" in proc.stdout
+    assert "trace of step 3 as it ran on 2 ranks" in proc.stdout
+    _check_trace(json.loads((tmp_path / "t.json").read_text()), ranks=2)
 
 
 def test_train_data_refusals(tmp_path, capsys):
@@ -1629,3 +1631,32 @@ def test_train_optimizer_flags_are_megatrons(tmp_path, capsys):
                          (["--optimizer", "adamw", "--adam-beta2", "1"], "--adam-beta2 1: must be in [0, 1)")):
         assert main(["train", "--model", "llama", "--steps", "1", *extra]) == EXIT_ERROR, extra
         assert error in capsys.readouterr().err, extra
+
+
+def _check_trace(trace, ranks):
+    """Every rank's ops, each once and one at a time, named as the plan's; the prediction beside."""
+    from octopipe.bench import PREDICTED_PID
+
+    events = [event for event in trace["traceEvents"] if event["ph"] == "X"]
+    measured = [event for event in events if event["pid"] < PREDICTED_PID]
+    predicted = [event for event in events if event["pid"] >= PREDICTED_PID and event["tid"] == 0]
+    ops = sorted(event["name"] for event in measured if event["cat"] in ("F", "B", "W"))
+    assert ops and len(set(ops)) == len(ops)
+    assert ops == sorted(event["name"] for event in predicted if event["name"] != "optimizer step")
+    assert {event["pid"] for event in measured} == set(range(ranks))
+    for rank in range(ranks):
+        compute = sorted((event for event in measured if event["pid"] == rank and event["tid"] == 0),
+                         key=lambda event: event["ts"])
+        assert all(event["ts"] >= 0 and event["dur"] >= 0 for event in compute)
+        assert all(b["ts"] >= a["ts"] + a["dur"] - 1.0 for a, b in zip(compute, compute[1:]))  # (us)
+    assert any(event["name"].startswith("send_") for event in measured)
+
+
+def test_train_trace_shows_the_last_step_as_it_ran_beside_the_prediction(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    assert main(["train", "--model", "gemma", "--steps", "2", "--schedule", "zb-h1", "--quiet", "--trace",
+                 str(path)]) == EXIT_OK
+    assert f"trace of step 1 as it ran on 2 ranks, beside the predicted step, written to {path}" in capsys.readouterr().out
+    _check_trace(json.loads(path.read_text()), ranks=2)
+    assert main(["train", "--model", "gemma", "--trace", str(tmp_path / "no" / "t.json")]) == EXIT_ERROR
+    assert "--trace" in capsys.readouterr().err
