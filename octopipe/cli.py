@@ -1789,6 +1789,26 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from octopipe.data import tokenize_files
+    from octopipe.errors import OctopipeError
+
+    _writable(args.output, "-o")
+    eod: int | str | None = args.eod
+    if eod is not None and eod != "eos":
+        try:
+            eod = int(eod)
+        except ValueError:
+            raise OctopipeError(f"tokenize --eod {args.eod}: give a token id (an integer >= 0) or eos") from None
+    done = tokenize_files(args.inputs, args.output, tokenizer=args.tokenizer, eod=eod, json_key=args.json_key)
+    raw = not args.output.endswith(".npy") and done.dtype != "uint16"
+    print(f"tokenized {done.documents:,} document{'s' if done.documents != 1 else ''} into {done.tokens:,} {done.dtype} "
+          f"tokens (a vocabulary of {done.vocab_size:,}) in {args.output}: train --data {args.output}"
+          + (f" --data-dtype {done.dtype}" if raw else "")
+          + " with a model of at least that vocabulary")
+    return EXIT_OK
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """`octopipe checkpoint PATH`: what a checkpoint (a file, or a sharded directory) holds; with
     `-o OUT` write it as one gathered file (`--weights-only`: the plain model's state dict,
@@ -2153,6 +2173,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--autocast", choices=AUTOCAST_CHOICES, default=None,
                    help="compile for bfloat16 or float16 autocast (the stages level shows the dtypes sent between stages)")
     p.set_defaults(run=cmd_dump)
+
+    p = sub.add_parser("tokenize", help="turn text into a token file for train --data")
+    p.add_argument("inputs", nargs="+", metavar="FILE",
+                   help="text files (each one document) or JSON-lines files (.jsonl: a document a line, its "
+                        "--json-key field, as Megatron's preprocess_data.py reads them)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.bin|OUT.npy",
+                   help="the token file: raw (uint16 where the vocabulary fits, else uint32) or .npy")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte (UTF-8 bytes, ids 0-255: the built-in tiny models' vocabulary holds them; default) or a "
+                        "Hugging Face tokenizer's folder or name (needs transformers; offline, a name in its cache)")
+    p.add_argument("--eod", default=None, metavar="ID|eos",
+                   help="end each document with this token id, or eos for the tokenizer's end-of-sequence token "
+                        "(Megatron's --append-eod)")
+    p.add_argument("--json-key", default="text", help="the field of a .jsonl line that holds its text (default text)")
+    p.set_defaults(run=cmd_tokenize)
 
     p = sub.add_parser("checkpoint", help="show what a checkpoint (file or sharded directory) holds, or write it as "
                                           "one file")

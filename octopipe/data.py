@@ -22,9 +22,10 @@ dtype). The stream is memory-mapped, never read whole.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,3 +327,106 @@ class TrainingData:
         replica = engine.replicas.replica
         losses = [engine.evaluate(*self.valid.batch(k, replica)) for k in range(self.eval_iters)]
         return sum(losses) / len(losses)
+
+
+# -- making token files ---------------------------------------------------------------------------
+
+BYTE_TOKENIZER = "byte"
+"""`tokenize_files`' default tokenizer: a text's UTF-8 bytes, ids 0-255 (the built-in tiny models'
+vocabulary holds them)."""
+
+
+@dataclass(frozen=True)
+class TokenizedFiles:
+    """What `tokenize_files` wrote: documents, tokens, the ids' dtype and the vocabulary size."""
+
+    documents: int
+    tokens: int
+    dtype: str
+    vocab_size: int
+
+
+def read_documents(path: str | os.PathLike[str], json_key: str = "text") -> Iterator[str]:
+    """A file's documents: a JSON-lines file (`.jsonl`, Megatron's input) one a line, its
+    `json_key` field; any other file is one document, its whole text (UTF-8)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenize {path}: no such file")
+    if path.suffix != ".jsonl":
+        try:
+            yield path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"tokenize {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"tokenize {path}:{number}: not a JSON object ({exc.msg}); a .jsonl file holds one "
+                                "document a line, as {\"text\": \"...\"}") from None
+            if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
+                raise DataError(f"tokenize {path}:{number}: no string field {json_key!r} (give the field that holds "
+                                "the text with --json-key)")
+            yield record[json_key]
+
+
+def _tokenizer(name: str) -> tuple[Any, int, int | None]:
+    """(text -> ids, vocabulary size, end-of-document id or None) for `name`: "byte", or a
+    Hugging Face tokenizer's name or folder."""
+    if name == BYTE_TOKENIZER:
+        return (lambda text: list(text.encode("utf-8"))), 256, None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"tokenize --tokenizer {name}: a Hugging Face tokenizer needs transformers (pip install "
+                        "transformers), or use --tokenizer byte") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"tokenize --tokenizer {name}: cannot load it ({str(exc).splitlines()[0][:200]}); give a "
+                        "folder holding the tokenizer's files, or a name in the local Hugging Face cache") from None
+    return ((lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]), len(tokenizer),
+            tokenizer.eos_token_id)
+
+
+def tokenize_files(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
+                   tokenizer: str = BYTE_TOKENIZER, eod: int | str | None = None,
+                   json_key: str = "text") -> TokenizedFiles:
+    """Write the documents of `inputs` (`read_documents`) as one stream of token ids to `output`,
+    raw (`.bin`, or any suffix but `.npy`) or a NumPy array (`.npy`): uint16 where the vocabulary
+    fits, else uint32. `eod`: an id to end each document with, or "eos" for the tokenizer's
+    end-of-sequence token (the byte tokenizer has none). What `train --data` reads (Megatron's
+    preprocess_data.py does the same for its own format)."""
+    encode, vocab, eos = _tokenizer(tokenizer)
+    if eod == "eos":
+        if eos is None:
+            raise DataError(f"tokenize --eod eos: the {tokenizer} tokenizer has no end-of-sequence token; give an id "
+                            f"(--eod ID, below {vocab} to fit the models that read these ids) or leave it out")
+        eod = eos
+    if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
+        raise ArgumentError(f"tokenize --eod {eod!r}: give a token id (an integer >= 0) or eos")
+    dtype = np.uint16 if max(vocab, (eod or 0) + 1) <= 1 << 16 else np.uint32
+    output = Path(output)
+    partial = output.with_name(output.name + ".partial")  # (renamed into place when whole)
+    documents = tokens = 0
+    parts: list[np.ndarray] = []
+    try:
+        with open(partial, "wb") as stream:
+            for path in inputs:
+                for text in read_documents(path, json_key):
+                    ids = np.asarray(list(encode(text)) + ([eod] if eod is not None else []), dtype=np.int64)
+                    documents += 1
+                    tokens += len(ids)
+                    if output.suffix == ".npy":
+                        parts.append(ids.astype(dtype))  # (an array's header needs its length first)
+                    else:
+                        stream.write(ids.astype(dtype).tobytes())
+            if output.suffix == ".npy":
+                np.save(stream, np.concatenate(parts) if parts else np.zeros(0, dtype))
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return TokenizedFiles(documents, tokens, np.dtype(dtype).name, vocab)

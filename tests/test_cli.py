@@ -1660,3 +1660,17 @@ def test_train_trace_shows_the_last_step_as_it_ran_beside_the_prediction(tmp_pat
     _check_trace(json.loads(path.read_text()), ranks=2)
     assert main(["train", "--model", "gemma", "--trace", str(tmp_path / "no" / "t.json")]) == EXIT_ERROR
     assert "--trace" in capsys.readouterr().err
+
+
+def test_tokenize_then_train(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
+    out = tmp_path / "a.bin"
+    assert main(["tokenize", str(tmp_path / "a.txt"), "-o", str(out)]) == EXIT_OK
+    assert (f"tokenized 1 document into 9,000 uint16 tokens (a vocabulary of 256) in {out}: train --data {out} with a "
+            "model of at least that vocabulary") in capsys.readouterr().out
+    assert main(["train", "--model", "llama", "--data", str(out), "--split", "90,10", "--eval-iters", "1", "--steps", "2",
+                 "--schedule", "1f1b", "--quiet"]) == EXIT_OK
+    assert "validation after 2 steps: loss" in capsys.readouterr().out
+    assert main(["tokenize", str(tmp_path / "a.txt"), "-o", str(tmp_path / "a.bin"), "--eod", "x"]) == EXIT_ERROR
+    assert "give a token id (an integer >= 0) or eos" in capsys.readouterr().err
+    assert main(["tokenize", str(tmp_path / "a.txt"), "-o", str(tmp_path / "no" / "a.bin")]) == EXIT_ERROR

@@ -166,3 +166,51 @@ def test_a_resumed_run_reads_on_after_the_sequences_consumed_whatever_its_batch(
     assert "keeps no data position" in fresh.resume({"iteration": 5}, "ckpt") and fresh.consumed == 0
     with pytest.raises(DataError, match="its consumed_samples is -1"):
         fresh.resume({"consumed_samples": -1}, "ckpt")
+
+
+def test_tokenize_writes_what_train_reads(tmp_path):
+    from octopipe.data import tokenize_files
+
+    (tmp_path / "a.txt").write_text("héllo\n", encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text('{"text": "ab"}\n\n{"text": "c", "id": 3}\n', encoding="utf-8")
+    done = tokenize_files([tmp_path / "a.txt", tmp_path / "b.jsonl"], tmp_path / "out.bin", eod=10)
+    ids = list("héllo\n".encode()) + [10, 97, 98, 10, 99, 10]
+    assert (done.documents, done.tokens, done.dtype, done.vocab_size) == (3, len(ids), "uint16", 256)
+    assert token_stream(tmp_path / "out.bin").tolist() == ids
+    assert tokenize_files([tmp_path / "b.jsonl"], tmp_path / "out.npy").tokens == 3
+    assert token_stream(tmp_path / "out.npy").tolist() == [97, 98, 99]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no string field 'text' \(give the field .* --json-key\)"):
+        tokenize_files([tmp_path / "bad.jsonl"], tmp_path / "x.bin")
+    assert not (tmp_path / "x.bin").exists() and not (tmp_path / "x.bin.partial").exists()  # (nothing half-written)
+    (tmp_path / "junk.jsonl").write_text("{oops\n", encoding="utf-8")
+    with pytest.raises(DataError, match="junk.jsonl:1: not a JSON object"):
+        tokenize_files([tmp_path / "junk.jsonl"], tmp_path / "x.bin")
+    with pytest.raises(DataError, match="byte tokenizer has no end-of-sequence token"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "x.bin", eod="eos")
+
+
+def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from octopipe.data import tokenize_files
+
+    def saved(vocab, name):
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>").save_pretrained(
+            tmp_path / name)
+        return str(tmp_path / name)
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello world"}\n{"text": "world"}\n', encoding="utf-8")
+    small = saved({"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}, "small")
+    done = tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "out.bin", tokenizer=small, eod="eos")
+    assert token_stream(tmp_path / "out.bin").tolist() == [2, 3, 1, 3, 1] and done.vocab_size == 4
+    # a vocabulary over 65,536 ids: uint32, which train reads with --data-dtype uint32
+    large = saved({"[UNK]": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(70_000)}, "world": 70_002}, "large")
+    done = tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "big.bin", tokenizer=large)
+    assert done.dtype == "uint32" and token_stream(tmp_path / "big.bin", "uint32").tolist() == [0, 70_002, 70_002]
+    with pytest.raises(DataError, match="cannot load it"):
+        tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "x.bin", tokenizer=str(tmp_path / "missing"))
