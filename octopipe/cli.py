@@ -2132,9 +2132,9 @@ def _parser() -> argparse.ArgumentParser:
                         "nothing gathered (as Megatron's ranks write their own files): for models whose state does "
                         "not fit one process; --resume and --init read either kind, on any plan or rank count")
     p.add_argument("--async-save", action="store_true",
-                   help="with --save-sharded: each rank copies its shard to the CPU and a thread writes it while the "
-                        "next steps run; the save is complete (its index written) at the next save or the end "
-                        "(Megatron's --async-save)")
+                   help="with --save-sharded: each rank copies its shard into shared memory and a process of its "
+                        "own writes it while the next steps run; the save is complete (its index written) at the "
+                        "next save or the end (Megatron's --async-save)")
     p.add_argument("--save-interval", type=_positive_int, default=None, metavar="N",
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "

@@ -127,6 +127,7 @@ from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, checkpoint_state, is_checkpoint, load_named, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads, selective_checkpoint
+from octopipe.runtime.writer import ShardWriter
 
 
 def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
@@ -413,8 +414,10 @@ class Engine:
                                        if param.requires_grad and param.dtype in HALF_DTYPES]
         self._fp32_names = frozenset(name for pairs in self._folded.values() for name, _ in pairs)
         self._optimizer_hooks: list[Any] = []
-        self._saving: tuple[Any, str, str, str, list[BaseException]] | None = None
-        """A background sharded save still writing: (thread, directory, token, file, its errors)."""
+        self._saving: tuple[ShardWriter, str, str, str, list[BaseException]] | None = None
+        """A background sharded save still writing: (its writer, directory, token, file, errors)."""
+        self._writer: ShardWriter | None = None
+        """The process writing background saves (`octopipe.runtime.writer`), started by the first."""
         self._plan_inputs()
         self._tied_ranks: dict[str, tuple[int, ...]] = {
             i.param: tuple(i.ranks) for i in program.instructions if i.kind is InstrKind.REDUCE_TIED}  # type: ignore[misc]
@@ -1551,7 +1554,8 @@ class Engine:
         saved over again keeps the shards of the last complete save (a crash mid-save leaves
         the index naming the previous ones) and drops the others once the new index is in.
         `background=True` (sharded only; Megatron's `--async-save`): each rank copies its shard
-        to the CPU and returns, a thread writing the file while training goes on; the save is
+        into shared memory and returns, a process of its own (`octopipe.runtime.writer`, started
+        by the first such save) writing the file while training goes on; the save is
         complete, its index written, at `finish_checkpoint()`, which the next save calls first
         and every rank must call before it exits (until then the directory holds the previous
         complete save). `extra`: the training loop's own state to keep beside the engine's (the
@@ -1595,9 +1599,9 @@ class Engine:
             raise error
 
     def _save_sharded(self, path: str, background: bool, extra: Mapping[str, Any] | None = None) -> None:
-        """`save_checkpoint(path, sharded=True)`: this rank's shard written (by a thread, in the
-        background), then `_commit_sharded` (at `finish_checkpoint`, in the background)."""
-        import threading
+        """`save_checkpoint(path, sharded=True)`: this rank's shard written (in the background by
+        the writer process, `octopipe.runtime.writer`), then `_commit_sharded` (at
+        `finish_checkpoint`, in the background)."""
         import uuid
 
         collective = self.world_size > 1 and dist.is_initialized()
@@ -1615,20 +1619,20 @@ class Engine:
                 errors.append(exc)
 
         try:
-            shard = _to_cpu(self._own_shard())
+            shard = self._own_shard() if background else _to_cpu(self._own_shard())
             if extra is not None and self.rank == 0:
                 shard["extra"] = _to_cpu(dict(extra))
-            if background:  # (a CPU tensor's .cpu() is itself: copy what the next steps change in place)
-                shard = _cloned(shard)
+            if background:  # one copy, into the writer's shared file (what the next steps change is not in it)
+                if self._writer is None:
+                    self._writer = ShardWriter()
+                self._writer.submit(shard, os.path.join(path, name))
         except Exception as exc:  # noqa: BLE001 - as above
             errors.append(exc)
             background = False
         if errors:
             self._commit_sharded(path, token[0], name, errors)
         elif background:
-            thread = threading.Thread(target=write, args=(shard,), name=f"octopipe-save-rank{self.rank}")
-            thread.start()
-            self._saving = (thread, path, token[0], name, errors)
+            self._saving = (self._writer, path, token[0], name, errors)
         else:
             write(shard)
             self._commit_sharded(path, token[0], name, errors)
@@ -1639,9 +1643,11 @@ class Engine:
         write the index that makes the save complete (rank 0). Nothing to do otherwise."""
         if self._saving is None:
             return
-        thread, path, token, name, errors = self._saving
+        writer, path, token, name, errors = self._saving
         self._saving = None
-        thread.join()
+        error = writer.wait()
+        if error is not None:
+            errors.append(error)
         self._commit_sharded(path, token, name, errors)
 
     def _commit_sharded(self, path: str, token: str, name: str, errors: list[BaseException]) -> None:
