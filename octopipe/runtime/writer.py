@@ -160,6 +160,14 @@ class ShardWriter:
                     pass
                 self._created = None
 
+    def __del__(self) -> None:  # (dropped without close: the writer leaves once its stdin closes)
+        process = getattr(self, "_process", None)
+        if process is not None and process.poll() is None and process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+
     def close(self) -> None:
         """End the writer (its stdin closed, it leaves) and drop the shared memory."""
         process, self._process = self._process, None
