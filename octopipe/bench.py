@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -207,6 +208,35 @@ def attached_optimizer(engine: Any, name: str, learning_rate: float, attach: boo
     return training_optimizer(name, [p for _, p in engine.named_parameters()], learning_rate, options)
 
 
+def resume_keeping_settings(engine: Any, optimizer: Any, path: str,
+                            scheduled: bool = False) -> tuple[dict[str, Any], str | None]:
+    """`engine.load_checkpoint(path)` (its `extra` returned), the optimizer then stepping with
+    this run's settings (learning rate, weight decay, betas, eps, momentum), not the ones the
+    checkpoint's param groups bring back (`Optimizer.load_state_dict` restores those), and a note
+    naming those that differ, None where none does: a flag given to a resumed run is not dropped.
+    `scheduled`: a schedule sets the learning rate before every update, so it is left out."""
+    built = [{key: value for key, value in group.items() if key != "params"}
+             for group in (optimizer.param_groups if optimizer is not None else [])]
+    extra = engine.load_checkpoint(path)
+    changed: dict[str, tuple[Any, Any]] = {}
+    if optimizer is not None:
+        for group, settings in zip(optimizer.param_groups, built):
+            for key, value in settings.items():
+                if key in SETTINGS and group.get(key) != value and not (scheduled and key == "lr"):
+                    changed.setdefault(key, (group.get(key), value))
+                    group[key] = value
+    if not changed:
+        return extra, None
+    return extra, (f"--resume {path}: its optimizer stepped with " + ", ".join(f"{key} {old}" for key, (old, _) in
+                                                                            changed.items())
+                   + "; this run steps with " + ", ".join(f"{key} {new}" for key, (_, new) in changed.items())
+                   + " (its flags; give the saved run's to go on as it did)")
+
+
+SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
+"""The optimizer settings a resumed run takes from its own flags (`resume_keeping_settings`)."""
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     """Megatron's learning-rate schedule (`--lr-warmup-iters`, `--lr-decay-style`,
@@ -272,8 +302,10 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                                      options=optimizer_options) if learning_rate
                   else None for e in engines]
     if resume:  # the whole state: weights, optimizer, fp32 copies, loss scale, dropout streams
-        for engine in engines:
-            engine.load_checkpoint(resume)
+        for engine, optimizer_ in zip(engines, optimizers):
+            note = resume_keeping_settings(engine, optimizer_, resume, scheduled=lr_schedule is not None)[1]
+            if note and rank == 0:
+                print(f"note: {note}", file=sys.stderr, flush=True)
     times: list[list[float]] = [[] for _ in pipes]
     losses: list[list[float]] = [[] for _ in pipes]
     scales: list[list[float | None]] = [[] for _ in pipes]

@@ -966,6 +966,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         extra = saved_extra(args.resume, 0)
         args.first_step = _resumed_iteration(extra, args.resume)  # (the workers load the rest)
+        _check_resumed_optimizer(args)
         if data is not None:
             note = data.resume(extra, f"train --resume {args.resume}")
             if note:
@@ -1099,6 +1100,22 @@ def _lr_note(args: argparse.Namespace, done: int) -> str:
     """What a step line adds under a schedule: the learning rate its update took."""
     schedule = _lr_schedule(args)
     return f"  lr {schedule(done):.4g}" if schedule is not None else ""
+
+
+def _check_resumed_optimizer(args: argparse.Namespace) -> None:
+    """--resume with another --optimizer than the checkpoint's, refused here, before the ranks
+    start (each would refuse it as it loads: `runtime.engine.check_optimizer_class`)."""
+    from octopipe.errors import OctopipeError
+    from octopipe.runtime.materialize import saved_optimizer_class
+
+    saved = saved_optimizer_class(args.resume, 0)
+    wanted = {"sgd": "SGD", "adamw": "AdamW"}[args.optimizer]
+    if saved is not None and saved != wanted:
+        theirs = {"SGD": "sgd", "AdamW": "adamw"}.get(saved)
+        raise OctopipeError(f"train --resume {args.resume}: its optimizer state is {saved}'s, but --optimizer is "
+                            f"{args.optimizer}; resume with "
+                            + (f"--optimizer {theirs}" if theirs else "the optimizer that saved it")
+                            + ", or start from its weights alone with --init")
 
 
 def _resumed_iteration(extra: dict[str, Any], path: str) -> int:
@@ -1443,7 +1460,13 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
 
     import octopipe
     from octopipe import models
-    from octopipe.bench import attached_optimizer, save_path, set_learning_rate, timeline_entries
+    from octopipe.bench import (
+        attached_optimizer,
+        resume_keeping_settings,
+        save_path,
+        set_learning_rate,
+        timeline_entries,
+    )
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime.amp import LossScaler
 
@@ -1516,8 +1539,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     target = target.to(device) if target is not None else None
     optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save),
                                    options=_optimizer_options(args))
+    schedule = _lr_schedule(args)
     if args.resume:
-        extra = engine.load_checkpoint(args.resume)
+        extra, note = resume_keeping_settings(engine, optimizer, args.resume, scheduled=schedule is not None)
+        if note and rank == 0:
+            print(f"note: train {note}", file=sys.stderr, flush=True)
         args.first_step = _resumed_iteration(extra, args.resume)
         if data is not None:
             note = data.resume(extra, f"train --resume {args.resume}")
@@ -1530,7 +1556,6 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             if data.consumed:
                 print(f"data: resumed after the checkpoint's {data.consumed:,} sequences", flush=True)
     step_ms = []
-    schedule = _lr_schedule(args)
     log = _StepLog(args, data)
     traced: list[Any] = [()]
     for step in range(args.steps):
@@ -1858,7 +1883,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             groups = optimizer.get("param_groups", [])
             keys = sorted({key for entry in entries.values() if isinstance(entry, dict) for key in entry
                            if key != MASTER_KEY})
-            print(f"optimizer: state for {len(entries)} parameters ({', '.join(keys) or 'none'}), {len(groups)} "
+            kind = f"{optimizer['class']}: " if isinstance(optimizer.get("class"), str) else ""
+            print(f"optimizer: {kind}state for {len(entries)} parameters ({', '.join(keys) or 'none'}), {len(groups)} "
                   f"param group(s)" + (f"; fp32 master copies of {len(masters)}" if masters else ""))
         else:
             print("optimizer: none (a checkpoint of weights only)")

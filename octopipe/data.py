@@ -338,7 +338,8 @@ vocabulary holds them)."""
 
 @dataclass(frozen=True)
 class TokenizedFiles:
-    """What `tokenize_files` wrote: documents, tokens, the ids' dtype and the vocabulary size."""
+    """What `tokenize_files` wrote: documents, tokens, the ids' dtype and the vocabulary a model
+    needs to read them (the tokenizer's, or past the end-of-document id where that is larger)."""
 
     documents: int
     tokens: int
@@ -429,4 +430,4 @@ def tokenize_files(inputs: Sequence[str | os.PathLike[str]], output: str | os.Pa
         os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)
-    return TokenizedFiles(documents, tokens, np.dtype(dtype).name, vocab)
+    return TokenizedFiles(documents, tokens, np.dtype(dtype).name, max(vocab, (eod or 0) + 1))

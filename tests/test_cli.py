@@ -1623,6 +1623,13 @@ def test_train_optimizer_flags_are_megatrons(tmp_path, capsys):
         expected, expected_evaluations = _plain_on_token_data(tmp_path / "start.pt", train, valid, 1, 3, 3, optimizer)
         assert losses == pytest.approx(expected, abs=2e-5) and len(set(losses)) == 3
         assert evaluations[3] == pytest.approx(expected_evaluations[3], abs=2e-5)
+    # a checkpoint resumed with another optimizer: refused before the ranks start
+    assert main([*words, "--optimizer", "adamw", "--steps", "1", "--save", str(tmp_path / "a.pt")]) == EXIT_OK
+    capsys.readouterr()
+    assert main([*words[:-2], "--optimizer", "sgd", "--steps", "1", "--resume", str(tmp_path / "a.pt")]) == EXIT_ERROR
+    assert "its optimizer state is AdamW's, but --optimizer is sgd; resume with --optimizer adamw" in capsys.readouterr().err
+    assert main(["checkpoint", str(tmp_path / "a.pt")]) == EXIT_OK
+    assert "optimizer: AdamW: state for" in capsys.readouterr().out
     assert main(["train", "--model", "llama", "--adam-beta1", "0.8", "--nprocs", "4", "--optimizer", "adamw",
                  "--weight-decay", "0.1", "--torchrun"]) == EXIT_OK
     assert "--weight-decay 0.1 --adam-beta1 0.8" in capsys.readouterr().out
@@ -1674,3 +1681,21 @@ def test_tokenize_then_train(tmp_path, capsys):
     assert main(["tokenize", str(tmp_path / "a.txt"), "-o", str(tmp_path / "a.bin"), "--eod", "x"]) == EXIT_ERROR
     assert "give a token id (an integer >= 0) or eos" in capsys.readouterr().err
     assert main(["tokenize", str(tmp_path / "a.txt"), "-o", str(tmp_path / "no" / "a.bin")]) == EXIT_ERROR
+
+
+def test_a_resumed_run_steps_with_its_own_optimizer_flags_and_says_which_changed(tmp_path, capfd):
+    # torch's load_state_dict brings back the saved settings; the resumed run's flags win, and a
+    # note names the ones that differ (so a flag given to it is not silently dropped)
+    words = ["train", "--model", "llama", "--optimizer", "sgd", "--lr", "0.01", "--schedule", "1f1b", "--quiet"]
+    assert main([*words, "--sgd-momentum", "0.9", "--steps", "3"]) == EXIT_OK
+    whole = [line.split()[3] for line in capfd.readouterr().out.splitlines() if line.startswith("step ")]
+    assert main([*words, "--sgd-momentum", "0.9", "--steps", "1", "--save", str(tmp_path / "m.pt")]) == EXIT_OK
+    capfd.readouterr()
+    assert main([*words, "--sgd-momentum", "0.9", "--steps", "2", "--resume", str(tmp_path / "m.pt")]) == EXIT_OK
+    out, err = capfd.readouterr()
+    assert [line.split()[3] for line in out.splitlines() if line.startswith("step ")] == whole[1:]
+    assert "its optimizer stepped with" not in err
+    assert main([*words, "--steps", "2", "--resume", str(tmp_path / "m.pt")]) == EXIT_OK
+    out, err = capfd.readouterr()
+    assert "its optimizer stepped with momentum 0.9; this run steps with momentum 0 (its flags" in err
+    assert [line.split()[3] for line in out.splitlines() if line.startswith("step ")][1] != whole[2]

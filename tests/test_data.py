@@ -178,6 +178,7 @@ def test_tokenize_writes_what_train_reads(tmp_path):
     assert (done.documents, done.tokens, done.dtype, done.vocab_size) == (3, len(ids), "uint16", 256)
     assert token_stream(tmp_path / "out.bin").tolist() == ids
     assert tokenize_files([tmp_path / "b.jsonl"], tmp_path / "out.npy").tokens == 3
+    assert tokenize_files([tmp_path / "b.jsonl"], tmp_path / "eod.bin", eod=70_000).vocab_size == 70_001
     assert token_stream(tmp_path / "out.npy").tolist() == [97, 98, 99]
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
     with pytest.raises(DataError, match=r"bad.jsonl:2: no string field 'text' \(give the field .* --json-key\)"):

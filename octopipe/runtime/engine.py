@@ -1764,7 +1764,24 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                           "params": [position_name[p] for p in g["params"] if p in position_name]}
                          for g in raw["param_groups"]],
+        "class": type(optimizer).__name__,
     }
+
+
+def check_optimizer_class(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuse to load a named optimizer state into another kind of optimizer: by the class it
+    records (since stop 47), or, in an older state, by what SGD's and the Adam family's groups
+    hold (an SGD loaded with AdamW's groups fails in its first step, without `momentum`)."""
+    name = type(optimizer).__name__
+    saved_class = saved.get("class")
+    groups = saved.get("param_groups") or [{}]
+    if saved_class is None:
+        telling = [key for key in ("momentum", "betas") if (key in optimizer.defaults) != (key in groups[0])]
+        saved_class = "another optimizer" if telling else None
+    if saved_class is not None and saved_class != name:
+        raise ExecutionError(f"{where}: the saved optimizer state is {saved_class}'s, this optimizer is {name}; resume "
+                             "with the optimizer that saved it (train --optimizer), or take only the weights "
+                             "(train --init, Engine(init=...))")
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -1791,11 +1808,14 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
     cut to them (`saved_rows`)."""
     split = split or {}
     name_of = {id(p): name for name, p in named_parameters.items()}
+    check_optimizer_class(state, optimizer, where)
     groups = state["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ExecutionError(f"{where}: the saved optimizer state has {len(groups)} param groups, this optimizer "
                              f"{len(optimizer.param_groups)}; build the optimizer with the param groups of the run "
-                             "that saved it (the same factory)")
+                             "that saved it (the same factory; train --weight-decay puts the weights of two or more "
+                             "dimensions and the others in two groups, so resume with it if the run had it, and "
+                             "without it if not)")
     raw_state: dict[int, Any] = {}
     raw_groups = []
     position = 0
@@ -1925,6 +1945,9 @@ def merge_state_dicts(shards: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"model": model}
     if has_optimizer:
         merged["optimizer"] = {"state": optimizer_state, "param_groups": groups}
+        classes = [shard["optimizer"]["class"] for shard in shards if "class" in shard.get("optimizer", {})]
+        if classes:
+            merged["optimizer"]["class"] = classes[0]
     streams = {key: value for shard in shards for key, value in shard.get("random", {}).items()}
     if streams:
         merged["random"] = streams

@@ -164,17 +164,30 @@ def _read_sharded(path: str, rank: int) -> Any:
     return merge_state_dicts(shards)
 
 
+def _first_state(path: str, rank: int) -> Any:
+    """A file's state (memory-mapped), or a sharded directory's rank-0 shard, unmerged."""
+    if os.path.isdir(path):
+        files = sharded_index(path, rank)["files"]
+        return _read_file(os.path.join(path, files[0]), rank) if files else {}
+    return checkpoint_state(path, rank) or {}
+
+
 def saved_extra(path: str, rank: int) -> dict[str, Any]:
     """The training loop's state a checkpoint keeps (`Engine.save_checkpoint(extra=...)`), read
     alone: from a file (memory-mapped), or from a sharded directory's rank-0 shard, which holds
     it, without merging the others. Empty where it has none."""
-    if os.path.isdir(path):
-        files = sharded_index(path, rank)["files"]
-        state = _read_file(os.path.join(path, files[0]), rank) if files else {}
-    else:
-        state = checkpoint_state(path, rank) or {}
+    state = _first_state(path, rank)
     extra = state.get("extra") if isinstance(state, Mapping) else None
     return dict(extra) if isinstance(extra, Mapping) else {}
+
+
+def saved_optimizer_class(path: str, rank: int) -> str | None:
+    """The class name of the optimizer whose state a checkpoint holds (as its rank-0 part records
+    it since stop 47), None where it holds none or does not say."""
+    state = _first_state(path, rank)
+    optimizer = state.get("optimizer") if isinstance(state, Mapping) else None
+    kind = optimizer.get("class") if isinstance(optimizer, Mapping) else None
+    return kind if isinstance(kind, str) else None
 
 
 def sharded_index(path: str, rank: int) -> dict[str, Any]:
