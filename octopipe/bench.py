@@ -301,6 +301,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     optimizers = [attached_optimizer(e, optimizer, learning_rate, attach=bool(resume or save),
                                      options=optimizer_options) if learning_rate
                   else None for e in engines]
+    if save_background:  # (its writer process started now, beside the first steps, not at the first save)
+        for engine in engines:
+            engine.start_checkpoint_writer()
     if resume:  # the whole state: weights, optimizer, fp32 copies, loss scale, dropout streams
         for engine, optimizer_ in zip(engines, optimizers):
             note = resume_keeping_settings(engine, optimizer_, resume, scheduled=lr_schedule is not None)[1]

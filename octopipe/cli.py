@@ -1540,6 +1540,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     optimizer = attached_optimizer(engine, args.optimizer, args.lr, attach=bool(args.resume or args.save),
                                    options=_optimizer_options(args))
     schedule = _lr_schedule(args)
+    if args.async_save:  # (its writer process started now, beside the first steps, not at the first save)
+        engine.start_checkpoint_writer()
     if args.resume:
         extra, note = resume_keeping_settings(engine, optimizer, args.resume, scheduled=schedule is not None)
         if note and rank == 0:

@@ -1326,7 +1326,7 @@ def test_checkpoint_shows_a_sharded_directory_and_writes_it_as_one_file(tmp_path
     out = capsys.readouterr().out
     assert f"{folder}: a sharded checkpoint, 4 shards written by 4 ranks" in out
     assert re.search(r"^model: \d+ tensors, [\d,]+ bfloat16$", out, re.MULTILINE), out
-    assert re.search(r"^optimizer: state for \d+ parameters \(exp_avg, exp_avg_sq, step\), 1 param group\(s\); "
+    assert re.search(r"^optimizer: AdamW: state for \d+ parameters \(exp_avg, exp_avg_sq, step\), 1 param group\(s\); "
                      r"fp32 master copies of \d+$", out, re.MULTILINE), out
     assert "dropout streams: 4 stage(s)" in out and "the loop's own state: iteration 2" in out
     state = checkpoint_state(str(folder), 0)

@@ -1637,6 +1637,14 @@ class Engine:
             write(shard)
             self._commit_sharded(path, token[0], name, errors)
 
+    def start_checkpoint_writer(self) -> None:
+        """Start the process that writes background saves now (it imports torch: a second or
+        two), rather than at the first `save_checkpoint(..., background=True)`, which would wait
+        for it; a loop that will save in the background calls this before training."""
+        if self._writer is None:
+            self._writer = ShardWriter()
+        self._writer.start()
+
     def finish_checkpoint(self) -> None:
         """Collective where a background save (`save_checkpoint(..., background=True)`) is
         pending: wait for this rank's file, agree with every rank that all were written, and

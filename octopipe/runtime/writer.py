@@ -110,6 +110,10 @@ class ShardWriter:
         self._created: str | None = None
         """A new shared file's name until the writer has mapped (and removed) it."""
 
+    def start(self) -> None:
+        """Start the writer process now, if it is not running (`submit` starts it otherwise)."""
+        self._start()
+
     def _start(self) -> subprocess.Popen[bytes]:
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE,
