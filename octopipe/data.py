@@ -1,9 +1,10 @@
-"""Token data for training: a file of token ids cut into sequences, batched per step and replica.
+"""Token data for training: a file of token ids cut into sequences, batched per step and replica;
+and the making of such files from text (`tokenize_files`, `octopipe tokenize`).
 
-`octopipe train --data FILE` reads what Megatron's and nanoGPT's preprocessing write: one flat
-stream of token ids, either a raw binary file (`.bin`; uint16 unless told otherwise, the dtype
-those tools use for vocabularies under 65,536) or a NumPy `.npy` array (its header names the
-dtype). The stream is memory-mapped, never read whole.
+`octopipe train --data FILE` reads one flat stream of token ids, either a raw binary file (`.bin`;
+uint16 unless told otherwise, the dtype nanoGPT's preprocessing and Megatron's indexed datasets
+use for vocabularies under 65,536) or a NumPy `.npy` array (its header names the dtype). The
+stream is memory-mapped, never read whole.
 
 - The stream is cut into `num_samples` sequences of `seq_len + 1` tokens, each starting `seq_len`
   after the last (so consecutive sequences share one token, as Megatron's GPT dataset cuts them):

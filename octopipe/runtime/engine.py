@@ -1778,13 +1778,14 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Ma
 
 def check_optimizer_class(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, where: str) -> None:
     """Refuse to load a named optimizer state into another kind of optimizer: by the class it
-    records (since stop 47), or, in an older state, by what SGD's and the Adam family's groups
-    hold (an SGD loaded with AdamW's groups fails in its first step, without `momentum`)."""
+    records (since stop 47), or, in an older state, by a setting its groups hold that this
+    optimizer has none of (SGD's `momentum`, the Adam family's `betas`: an SGD loaded with
+    AdamW's groups fails in its first step, without `momentum`)."""
     name = type(optimizer).__name__
     saved_class = saved.get("class")
     groups = saved.get("param_groups") or [{}]
     if saved_class is None:
-        telling = [key for key in ("momentum", "betas") if (key in optimizer.defaults) != (key in groups[0])]
+        telling = [key for key in ("momentum", "betas") if key in groups[0] and key not in optimizer.defaults]
         saved_class = "another optimizer" if telling else None
     if saved_class is not None and saved_class != name:
         raise ExecutionError(f"{where}: the saved optimizer state is {saved_class}'s, this optimizer is {name}; resume "
