@@ -1403,6 +1403,12 @@ def _write_trace(args: argparse.Namespace, timelines: Any, predicted: Any) -> No
           f"step, written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
 
 
+def _ms(value: float) -> str:
+    """Milliseconds to print: one decimal, or three figures below 0.1 ms (a tiny model priced on
+    a GPU preset would read 0.0)."""
+    return f"{value:.1f}" if value >= 0.1 else f"{value:.3g}"
+
+
 def _describe_data(data: Any) -> str:
     lines = [f"data: {data.train.describe()}"]
     if data.valid is not None:
@@ -1601,7 +1607,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             _write_trace(args, timelines, first.simulation)
     if first is not None:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
-              f"{first.simulation.iteration_ms:.1f} ms from {'profiled' if args.profile else 'analytic'} costs)",
+              f"{_ms(first.simulation.iteration_ms)} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
     if args.save and rank == 0:
         last = save_path(args.save, args.first_step + args.steps)
