@@ -127,7 +127,7 @@ from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, checkpoint_state, is_checkpoint, load_named, materialize
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads, selective_checkpoint
-from octopipe.runtime.writer import ShardWriter
+from octopipe.runtime.writer import ShardWriter, map_leaves
 
 
 def microbatch_counts(loss_weight: Callable[[Tensor], Any], target: Tensor, count: int, where: str) -> list[float]:
@@ -1733,20 +1733,7 @@ def _check_extra(value: Any, where: str, rank: int) -> None:
 
 def _map_tensors(value: Any, function: Callable[[Tensor], Tensor]) -> Any:
     """`value` with `function` applied to every tensor in it (through dicts, lists, tuples)."""
-    if isinstance(value, Tensor):
-        return function(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, function) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map_tensors(v, function) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_map_tensors(v, function) for v in value)
-    return value
-
-
-def _cloned(value: Any) -> Any:
-    """`value` with every tensor in it cloned."""
-    return _map_tensors(value, Tensor.clone)
+    return map_leaves(value, Tensor, function)
 
 
 def _to_cpu(value: Any) -> Any:

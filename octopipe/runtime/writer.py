@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -58,26 +59,28 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(stream.read(size))
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _replace(value: Any, function: Any) -> Any:
-    if isinstance(value, (torch.Tensor, _Slot)):
+def map_leaves(value: Any, kinds: type | tuple[type, ...], function: Callable[[Any], Any]) -> Any:
+    """`value` with `function` applied to every instance of `kinds` in it (through dicts, lists
+    and tuples); `Engine`'s checkpoint copies use it too."""
+    if isinstance(value, kinds):
         return function(value)
     if isinstance(value, dict):
-        return {k: _replace(v, function) for k, v in value.items()}
+        return {k: map_leaves(v, kinds, function) for k, v in value.items()}
     if isinstance(value, list):
-        return [_replace(v, function) for v in value]
+        return [map_leaves(v, kinds, function) for v in value]
     if isinstance(value, tuple):
-        return tuple(_replace(v, function) for v in value)
+        return tuple(map_leaves(v, kinds, function) for v in value)
     return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_leaves(value, torch.Tensor, found.append)
+    return found
+
+
+def _replace(value: Any, function: Callable[[Any], Any]) -> Any:
+    return map_leaves(value, (torch.Tensor, _Slot), function)
 
 
 def _flat(path: str, size: int) -> torch.Tensor:
