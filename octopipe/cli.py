@@ -1318,6 +1318,12 @@ def _check_data_flags(args: argparse.Namespace) -> None:
         if given:
             raise OctopipeError(f"train {given[0]}: applies to --data FILE (the token ids to train on); give --data "
                                 "too")
+    if args.data_weights is not None and len(args.data or ()) == 1:
+        raise OctopipeError("train --data-weights: blends several --data files; with one there is nothing to weigh")
+    if args.data_weights is not None and len(args.data_weights) != len(args.data or ()):
+        raise OctopipeError(f"train --data-weights: {len(args.data_weights)} weight(s) for {len(args.data or ())} "
+                            "--data file(s); give one weight per file (Megatron's --data-path W1 A W2 B), or none "
+                            "to blend them by their sizes")
     if args.split is not None and args.eval_data is not None:
         raise OctopipeError("train: give --eval-data FILE (a validation file) or --split (a validation part of --data), "
                             "not both")
@@ -1331,7 +1337,7 @@ def _check_data_flags(args: argparse.Namespace) -> None:
                                 f"train {given[0]}: --split {_weights(args.split)} leaves no validation part; give it "
                                 "a validation weight (e.g. 98,2)")
     if not args.torchrun:
-        for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        for flag, path in [*(("--data", path) for path in args.data or ()), ("--eval-data", args.eval_data)]:
             if path is not None and not os.path.isfile(path):
                 raise OctopipeError(f"train {flag} {path}: no such file; give a file of token ids (a raw binary "
                                     "stream, or a .npy array)")
@@ -1362,7 +1368,7 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
                             "Engine.step(inputs, target))")
     if not open_files:
         return None
-    from octopipe.data import TokenBatches, TrainingData, split_samples, vocabulary_size
+    from octopipe.data import BlendedBatches, TokenBatches, TrainingData, split_samples, vocabulary_size
 
     batch, seq_len = (int(n) for n in ids.shape)
     common: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch, replicas=args.data_parallel,
@@ -1372,15 +1378,26 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
         return None if Path(path).suffix == ".npy" else args.data_dtype
 
     seed = DATA_SEED if args.data_seed is None else args.data_seed
-    train = TokenBatches(args.data, seed=seed, dtype=raw(args.data), what="--data", **common)
-    valid = (TokenBatches(args.eval_data, shuffle=False, dtype=raw(args.eval_data), what="--eval-data", **common)
-             if args.eval_data else None)
-    if args.split is not None:  # one file: a training part, a validation part (and a test part, unread)
-        parts = split_samples(train.file_samples, args.split, "train --split")
-        train = TokenBatches(args.data, seed=seed, samples=parts[0], dtype=raw(args.data), what="--data", **common)
+    trains: list[TokenBatches] = []
+    valids: list[TokenBatches] = []
+    for path in args.data:  # each file cut by --split on its own, as Megatron splits each dataset
+        whole = TokenBatches(path, seed=seed, dtype=raw(path), what="--data", **common)
+        if args.split is None:
+            trains.append(whole)
+            continue
+        parts = split_samples(whole.file_samples, args.split, f"train --split (of {path})")
+        trains.append(TokenBatches(path, seed=seed, samples=parts[0], dtype=raw(path), what="--data", **common))
         if args.split[1] > 0:
-            valid = TokenBatches(args.data, shuffle=False, samples=parts[1], dtype=raw(args.data),
-                                 what="--data (its validation split)", **common)
+            valids.append(TokenBatches(path, shuffle=False, samples=parts[1], dtype=raw(path),
+                                       what="--data (its validation split)", **common))
+    valid: Any = (TokenBatches(args.eval_data, shuffle=False, dtype=raw(args.eval_data), what="--eval-data", **common)
+                  if args.eval_data else valids[0] if len(valids) == 1 else None)
+    train: Any = trains[0]
+    if len(trains) > 1:  # a blend by --data-weights, else by the files' sequences
+        weights = tuple(args.data_weights) if args.data_weights else tuple(float(t.num_samples) for t in trains)
+        train = BlendedBatches(tuple(trains), weights, batch, args.data_parallel, what="--data")
+        if valids:
+            valid = BlendedBatches(tuple(valids), weights, batch, args.data_parallel, what="--data (its validation splits)")
     if scan:
         for data in (train, valid):
             if data is not None:
@@ -1662,14 +1679,16 @@ def torchrun_command(args: argparse.Namespace) -> str:
         words += [word for item in args.set or () for word in ("--set", item)]
         words += ["--seq-len", str(args.seq_len)] if args.seq_len else []
     for flag, value in (("--plan", args.plan), ("--schedule", args.schedule), ("--init", args.init),
-                        ("--data", args.data), ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
+                        ("--data", args.data),
+                        ("--data-weights", [f"{w:g}" for w in args.data_weights] if args.data_weights else None),
+                        ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
                         ("--split", _weights(args.split) if args.split else None),
                         ("--eval-data", args.eval_data), ("--eval-interval", args.eval_interval),
                         ("--eval-iters", args.eval_iters), ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
-            words += [flag, str(value)]
+            words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     words += ["--microbatches", str(args.microbatches), "--steps", str(args.steps), "--lr", str(args.lr),
               "--optimizer", args.optimizer]
     words += ["--clip-grad", str(args.clip_grad)] if args.clip_grad is not None else []
@@ -1713,7 +1732,8 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
     from octopipe.errors import OctopipeError
 
     missing = [f"{flag} {path}" for flag, path in (("--cluster", args.cluster), ("--plan", args.plan),
-                                                    ("--init", args.init), ("--data", args.data),
+                                                    ("--init", args.init),
+                                                    *(("--data", path) for path in args.data or ()),
                                                     ("--eval-data", args.eval_data))
                if path and not Path(path).exists() and (flag != "--cluster" or ClusterSpec.names_file(path))]
     if missing:
@@ -1743,8 +1763,7 @@ def _check_before_launch(args: argparse.Namespace, builtin: bool) -> int:
         inputs, target = _real_batch(args, inputs, target)
     examples, example_target = _examples(inputs, target, on_meta)
     _token_data(args, model, inputs, target,
-                open_files=not any(f"{flag} {path}" in missing for flag, path in (("--data", args.data),
-                                                                                   ("--eval-data", args.eval_data))))
+                open_files=not any(item.startswith(("--data ", "--eval-data ")) for item in missing))
     plan_ = None
     if args.plan and f"--plan {args.plan}" not in missing:
         from octopipe.api import _warn_planned_elsewhere, load_saved_plan
@@ -2050,13 +2069,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=_positive_int, default=None, metavar="N",
                    help="print a step line every N steps (and after the last), its loss and time the means over "
                         "them (Megatron's --log-interval; default 1)")
-    p.add_argument("--data", metavar="FILE", default=None,
+    p.add_argument("--data", metavar="FILE", nargs="+", default=None,
                    help="train on the token ids in FILE instead of the model's one example batch: a raw binary "
                         "stream (uint16 unless --data-dtype, as Megatron's and nanoGPT's preprocessing write) or a "
                         ".npy array, memory-mapped; cut into sequences of --seq-len + 1 tokens (input, and the next "
                         "token as target), shuffled per epoch (--data-seed), each step the next --batch-size per "
                         "replica (every replica its own); a resumed run reads on from its iteration. For token "
                         "models: one input of ids, the next ids as target")
+    p.add_argument("--data-weights", type=_positive_float, nargs="+", default=None, metavar="W",
+                   help="with several --data files: blend them by these weights, one a file (Megatron's --data-path "
+                        "W1 A W2 B; default: by their sequences), each file read in its own order; every 1000 "
+                        "sequences take the weights' share of each, rounded")
     p.add_argument("--data-dtype", choices=tuple(DATA_DTYPES), default=None,
                    help="the token type of a raw --data / --eval-data file (default uint16); a .npy file names its own, "
                         "and this does not apply to it")

@@ -168,12 +168,28 @@ class TokenBatches:
         if position < 0:
             raise ArgumentError(f"{self.what} {self.path}: position {position} is negative")
         first = position + replica * self.batch_size
-        start = self.samples[0] if self.samples is not None else 0
-        indices = []
-        for position in range(first, first + self.batch_size):
-            epoch, offset = divmod(position, self.num_samples)
-            indices.append(start + int(self._order(epoch)[offset]))
-        return indices
+        return [self.index_at(position) for position in range(first, first + self.batch_size)]
+
+    def index_at(self, position: int) -> int:
+        """The file's sequence at `position` of the order (epochs following one another)."""
+        epoch, offset = divmod(position, self.num_samples)
+        return (self.samples[0] if self.samples is not None else 0) + int(self._order(epoch)[offset])
+
+    def rows(self, indices: Sequence[int]) -> torch.Tensor:
+        """The file's sequences `indices` ([len, seq_len + 1] int64), checked against the vocabulary."""
+        rows = np.stack([np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1]) for i in indices])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        if self.vocab_size is not None:
+            bad = (tokens >= self.vocab_size) | (tokens < 0)
+            if bool(bad.any()):
+                row, column = (int(x) for x in bad.nonzero()[0])
+                raise DataError(self._outside(int(tokens[row, column]), indices[row] * self.seq_len + column))
+        return tokens
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this order, to tell whether a resumed run reads the same."""
+        return {"path": str(self.path), "seed": self.seed, "seq_len": self.seq_len,
+                "samples": list(self.samples) if self.samples is not None else None}
 
     def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
         """((input ids,), target ids) for `replica` at `iteration`: int64 tensors of
@@ -184,15 +200,7 @@ class TokenBatches:
 
     def batch_at(self, position: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
         """`batch` of the global batch that starts at `position` of the order (`indices_at`)."""
-        indices = self.indices_at(position, replica)
-        rows = np.stack([np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1]) for i in indices])
-        tokens = torch.from_numpy(rows.astype(np.int64))
-        if self.vocab_size is not None:
-            bad = (tokens >= self.vocab_size) | (tokens < 0)
-            if bool(bad.any()):
-                row, column = (int(x) for x in bad.nonzero()[0])
-                sample = indices[row]
-                raise DataError(self._outside(int(tokens[row, column]), sample * self.seq_len + column))
+        tokens = self.rows(self.indices_at(position, replica))
         return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
 
     def check_vocabulary(self, chunk: int = 1 << 24) -> None:
@@ -225,16 +233,134 @@ class TokenBatches:
                             f"tokens, but {'its split' if self.samples is not None else 'the file'} holds "
                             f"{self.num_samples}; evaluate fewer batches (--eval-iters) or give more data")
 
-    def describe(self) -> str:
-        """One line: the file, its tokens, sequences and epoch length."""
+    def describe(self, steps: bool = True) -> str:
+        """One line: the file, its tokens and sequences, and (`steps`) the step's sequences and
+        the epoch's length."""
         tokens = self.tokens
         held = (f"{self.num_samples:,} sequences of {self.seq_len} + 1" if self.samples is None else
                 f"sequences {self.samples[0]:,}-{self.samples[1] - 1:,} of its {self.file_samples:,} of "
                 f"{self.seq_len} + 1")
+        order = f"shuffled (seed {self.seed})" if self.shuffle else "in file order"
+        if not steps:
+            return f"{self.path}: {len(tokens):,} {tokens.dtype} tokens, {held}, {order}"
         return (f"{self.path}: {len(tokens):,} {tokens.dtype} tokens, {held}; {self.global_batch} a step"
                 + (f" ({self.replicas} replicas x {self.batch_size})" if self.replicas > 1 else "")
-                + (f", an epoch every {self.steps_per_epoch:.4g} steps, shuffled (seed {self.seed})" if self.shuffle
-                   else ", in file order"))
+                + (f", an epoch every {self.steps_per_epoch:.4g} steps, {order}" if self.shuffle else f", {order}"))
+
+
+BLEND_PERIOD = 1000
+"""`BlendedBatches` realizes its weights over every run of this many sequences, rounded to it."""
+
+
+@dataclass
+class BlendedBatches:
+    """Batches drawn from several token files by weight (Megatron's `--data-path 0.3 A 0.7 B`):
+    the weights are rounded to counts out of `BLEND_PERIOD` (largest remainders), and every run
+    of that many sequences of the order takes exactly those counts, interleaved as Megatron's
+    blending interleaves them (each next sequence from the file furthest below its share). Each
+    file is read in its own order (`parts`: their `TokenBatches`, whose batch sizes are not
+    used), so the sequence at any position of the blend is found without walking to it."""
+
+    parts: tuple[TokenBatches, ...]
+    weights: tuple[float, ...]
+    batch_size: int
+    replicas: int = 1
+    what: str = "data"
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len(self.weights) != len(self.parts):
+            raise ArgumentError(f"{self.what}: blending takes two or more files and a weight for each, got "
+                                f"{len(self.parts)} files and {len(self.weights)} weights")
+        if any(not math.isfinite(w) or w <= 0 for w in self.weights):
+            raise ArgumentError(f"{self.what}: blending weights must be positive, got {list(self.weights)}")
+        if len({part.seq_len for part in self.parts}) != 1:
+            raise ArgumentError(f"{self.what}: the blended files are cut at different sequence lengths")
+        total = sum(self.weights)
+        quotas = [w / total * BLEND_PERIOD for w in self.weights]
+        counts = [math.floor(q) for q in quotas]
+        for index in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[:BLEND_PERIOD - sum(counts)]:
+            counts[index] += 1
+        if 0 in counts:
+            raise DataError(f"{self.what}: weight {self.weights[counts.index(0)]:g} rounds to none of every "
+                            f"{BLEND_PERIOD} sequences; give it a larger share")
+        pattern: list[int] = []
+        taken = [0] * len(counts)
+        for index in range(BLEND_PERIOD):  # each next sequence from the file furthest below its share
+            part = max(range(len(counts)), key=lambda d: (counts[d] * (index + 1) / BLEND_PERIOD - taken[d], -d))
+            pattern.append(part)
+            taken[part] += 1
+        self._counts, self._pattern = counts, pattern
+        self._before = [[0] * len(counts)]  # per offset in the period: each file's sequences before it
+        for part in pattern:
+            self._before.append([n + (d == part) for d, n in enumerate(self._before[-1])])
+
+    @property
+    def seq_len(self) -> int:
+        return self.parts[0].seq_len
+
+    @property
+    def global_batch(self) -> int:
+        return self.replicas * self.batch_size
+
+    @property
+    def samples(self) -> None:  # (a blend is of whole parts: their own ranges say where they read)
+        return None
+
+    @property
+    def path(self) -> str:
+        return " + ".join(str(part.path) for part in self.parts)
+
+    @property
+    def file_samples(self) -> int:
+        return sum(part.num_samples for part in self.parts)
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(file, the file's own position) of the blend's sequence at `position`."""
+        period, offset = divmod(position, BLEND_PERIOD)
+        part = self._pattern[offset]
+        return part, period * self._counts[part] + self._before[offset][part]
+
+    def batch_at(self, position: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        if not 0 <= replica < self.replicas:
+            raise ArgumentError(f"{self.what}: replica {replica} out of range 0..{self.replicas - 1}")
+        first = position + replica * self.batch_size
+        rows = []
+        for where in range(first, first + self.batch_size):
+            part, own = self.locate(where)
+            rows.append(self.parts[part].rows([self.parts[part].index_at(own)]))
+        tokens = torch.cat(rows)
+        return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
+
+    def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        return self.batch_at(iteration * self.global_batch, replica)
+
+    def check_vocabulary(self) -> None:
+        for part in self.parts:
+            part.check_vocabulary()
+
+    def taken(self, position: int) -> list[int]:
+        """Each file's sequences among the blend's first `position`."""
+        period, offset = divmod(position, BLEND_PERIOD)
+        return [period * count + before for count, before in zip(self._counts, self._before[offset])]
+
+    def check_enough(self, batches: int) -> None:
+        """Refuse a validation blend whose first `batches` global batches would read a file past
+        its end (so that no sequence counts twice in one evaluation)."""
+        for part, need in zip(self.parts, self.taken(batches * self.global_batch)):
+            if need > part.num_samples:
+                raise DataError(f"{self.what}: {batches} batch{'es' if batches > 1 else ''} of {self.global_batch} "
+                                f"sequences take {need} from {part.path}, which holds {part.num_samples}; evaluate "
+                                "fewer batches (--eval-iters) or give more data")
+
+    def identity(self) -> dict[str, Any]:
+        return {"blend": [part.identity() for part in self.parts], "weights": list(self.weights)}
+
+    def describe(self) -> str:
+        total = sum(self.weights)
+        return (f"a blend of {len(self.parts)} files, {self.global_batch} sequences a step"
+                + (f" ({self.replicas} replicas x {self.batch_size})" if self.replicas > 1 else "") + "; "
+                + "; ".join(f"{100 * w / total:.3g}% from {part.describe(steps=False)}"
+                            for w, part in zip(self.weights, self.parts)))
 
 
 def split_samples(total: int, weights: Sequence[float], what: str = "--split") -> list[tuple[int, int]]:
@@ -272,8 +398,8 @@ class TrainingData:
     (counted over the whole run, as the iteration is) and after the last (Megatron's
     --eval-interval and --eval-iters)."""
 
-    train: TokenBatches
-    valid: TokenBatches | None = None
+    train: TokenBatches | BlendedBatches
+    valid: TokenBatches | BlendedBatches | None = None
     eval_interval: int | None = None
     """None: evaluate after the last step only."""
     eval_iters: int = 4
@@ -293,10 +419,7 @@ class TrainingData:
     def saved(self, steps: int) -> dict[str, Any]:
         """What a checkpoint taken after `steps` steps of this run keeps of the data: the sequences
         consumed (Megatron's consumed_samples) and which order they were read in."""
-        train = self.train
-        return {"consumed_samples": self.consumed + steps * train.global_batch,
-                "data": {"path": str(train.path), "seed": train.seed, "seq_len": train.seq_len,
-                         "samples": list(train.samples) if train.samples is not None else None}}
+        return {"consumed_samples": self.consumed + steps * self.train.global_batch, "data": self.train.identity()}
 
     def resume(self, extra: dict[str, Any], where: str) -> str | None:
         """Take a resumed checkpoint's `extra` (what `saved` wrote; a checkpoint without it was

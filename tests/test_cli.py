@@ -1529,7 +1529,7 @@ def test_train_data_refusals(tmp_path, capsys):
             (["--data", str(train), "--split", "98,2", "--eval-data", str(valid)], "--eval-data FILE .* or --split"),
             (["--data", str(train), "--split", "1,0,1", "--eval-interval", "2"],
              "--split 1,0,1 leaves no validation part"),
-            (["--data", str(train), "--split", "1000,1"], "--split 1000,1: 187 sequences leave part 2 none"),
+            (["--data", str(train), "--split", "1000,1"], "--split \\(of .*train.bin\\) 1000,1: 187 sequences leave part 2 none"),
             (["--split", "98,2"], "train --split: applies to --data FILE")):
         assert main(["train", "--model", "llama", "--steps", "1", "--quiet", *extra]) == EXIT_ERROR, extra
         assert re.search(error, capsys.readouterr().err), (extra, error)
@@ -1699,3 +1699,26 @@ def test_a_resumed_run_steps_with_its_own_optimizer_flags_and_says_which_changed
     out, err = capfd.readouterr()
     assert "its optimizer stepped with momentum 0.9; this run steps with momentum 0 (its flags" in err
     assert [line.split()[3] for line in out.splitlines() if line.startswith("step ")][1] != whole[2]
+
+
+def test_train_blends_several_token_files_by_weight(tmp_path, capsys):
+    import numpy as np
+
+    train, _ = _token_files(tmp_path)
+    np.fromfile(train, dtype=np.uint16)[::-1].copy().tofile(tmp_path / "other.bin")
+    words = ["train", "--model", "llama", "--data", str(train), str(tmp_path / "other.bin"), "--steps", "2",
+             "--schedule", "1f1b", "--quiet"]
+    assert main([*words, "--data-weights", "3", "1", "--split", "90,10", "--eval-iters", "1"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "data: a blend of 2 files, 8 sequences a step; 75% from" in out and "; 25% from" in out
+    assert "validation: a blend of 2 files" in out and "validation after 2 steps: loss" in out
+    losses = [line.split()[3] for line in out.splitlines() if line.startswith("step ")]
+    assert main(words) == EXIT_OK  # by their sizes: an even blend here
+    out = capsys.readouterr().out
+    assert "50% from" in out and [line.split()[3] for line in out.splitlines() if line.startswith("step ")] != losses
+    assert main([*words, "--data-weights", "1", "--nprocs", "4", "--torchrun"]) == EXIT_ERROR
+    assert "1 weight(s) for 2 --data file(s)" in capsys.readouterr().err
+    assert main(["train", "--model", "llama", "--data", str(train), "--data-weights", "2"]) == EXIT_ERROR
+    assert "with one there is nothing to weigh" in capsys.readouterr().err
+    assert main([*words, "--data-weights", "3", "1", "--nprocs", "4", "--torchrun"]) == EXIT_OK
+    assert f"--data {train} {tmp_path / 'other.bin'} --data-weights 3 1" in capsys.readouterr().out

@@ -215,3 +215,48 @@ def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
     assert done.dtype == "uint32" and token_stream(tmp_path / "big.bin", "uint32").tolist() == [0, 70_002, 70_002]
     with pytest.raises(DataError, match="cannot load it"):
         tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "x.bin", tokenizer=str(tmp_path / "missing"))
+
+
+def test_a_blend_takes_each_files_share_of_every_thousand_sequences_in_its_own_order(tmp_path):
+    from octopipe.data import BLEND_PERIOD, BlendedBatches
+
+    # a file whose sequence k starts with token k (sequences of 4 + 1, tokens < 60000)
+    for name, first in (("a", 0), ("b", 30_000)):
+        np.concatenate([[first + k] * 4 for k in range(6000)] + [[0]]).astype(np.uint16).tofile(tmp_path / f"{name}.bin")
+
+    def part(name, seed=1234):
+        return TokenBatches(str(tmp_path / f"{name}.bin"), seq_len=4, batch_size=1, seed=seed)
+
+    def sequence(blend, position):  # (file, its sequence) at a position of the blend
+        (inputs,), _ = blend.batch_at(position, 0)
+        value = int(inputs[0, 0])
+        return ("b", value - 30_000) if value >= 30_000 else ("a", value)
+
+    blend = BlendedBatches((part("a"), part("b")), (3.0, 1.0), batch_size=1)
+    drawn = [sequence(blend, q) for q in range(2 * BLEND_PERIOD)]
+    assert [name for name, _ in drawn[:BLEND_PERIOD]].count("b") == 250 and blend.taken(BLEND_PERIOD) == [750, 250]
+    assert "bbb" not in "".join(name for name, _ in drawn) and "aaaa" not in "".join(name for name, _ in drawn)
+    for name in ("a", "b"):  # each file in its own (shuffled) order, from its start, with no repeats
+        own = [k for file, k in drawn if file == name]
+        assert own == [part(name).index_at(j) for j in range(len(own))]
+    # any position is found at once, and a step's sequences do not depend on the replica count
+    assert blend.locate(10**12 + 7) == (blend.locate(7)[0], 10**9 * (750 if blend.locate(7)[0] == 0 else 250)
+                                        + blend.locate(7)[1])
+    wide = BlendedBatches((part("a"), part("b")), (3.0, 1.0), batch_size=8)
+    halves = BlendedBatches((part("a"), part("b")), (3.0, 1.0), batch_size=4, replicas=2)
+    for step in (0, 5, 123):
+        assert torch.equal(wide.batch(step)[0][0], torch.cat([halves.batch(step, r)[0][0] for r in range(2)]))
+    assert "75% from" in wide.describe() and "25% from" in wide.describe()
+    data = TrainingData(wide)
+    assert data.saved(2)["data"]["weights"] == [3.0, 1.0]
+    other = TrainingData(BlendedBatches((part("a"), part("b")), (1.0, 1.0), batch_size=8))
+    assert "this run reads" in other.resume({"consumed_samples": 16, **{"data": data.saved(2)["data"]}}, "ckpt")
+    with pytest.raises(DataError, match="rounds to none of every 1000 sequences"):
+        BlendedBatches((part("a"), part("b")), (1.0, 5000.0), batch_size=1)
+    with pytest.raises(ArgumentError, match="two or more files and a weight for each"):
+        BlendedBatches((part("a"),), (1.0,), batch_size=1)
+    valid = BlendedBatches((TokenBatches(str(tmp_path / "a.bin"), seq_len=4, batch_size=1, shuffle=False, samples=(0, 30)),
+                            part("b")), (3.0, 1.0), batch_size=8)
+    valid.check_enough(5)  # 40 sequences: 30 from a, 10 from b
+    with pytest.raises(DataError, match="take 36 from .*a.bin, which holds 30"):
+        valid.check_enough(6)
