@@ -233,6 +233,13 @@ def resume_keeping_settings(engine: Any, optimizer: Any, path: str,
                    + " (its flags; give the saved run's to go on as it did)")
 
 
+def loop_state(iteration: int, data: Any = None, steps: int = 0) -> dict[str, Any]:
+    """What a training loop's checkpoint keeps beside the engine's state (`save_checkpoint(extra=...)`):
+    the iterations done, and with token data (`octopipe.data.TrainingData`) the sequences consumed
+    after `steps` steps of this run and the data's order."""
+    return {"iteration": iteration, **(data.saved(steps) if data is not None else {})}
+
+
 SETTINGS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
 """The optimizer settings a resumed run takes from its own flags (`resume_keeping_settings`)."""
 
@@ -360,8 +367,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             if save and step >= warmup and saves_after(done, first_step + steps, save_every):
                 # (collective; outside the timed span)
                 engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
-                                       extra={"iteration": done,
-                                              **(data.saved(step - warmup + 1) if data is not None else {})})
+                                       extra=loop_state(done, data, step - warmup + 1))
             if data is not None and step >= warmup and data.evaluates_after(done, first_step + steps):
                 evaluations[index].append((done, data.evaluate(engine)))  # (collective; outside the timed span)
             if step >= warmup:
@@ -423,7 +429,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     N-th timed step too (each write replaces the file, atomically; a `{step}` in `save` is
     replaced by the steps done, for a file per save: `save_path`); `save_sharded`: each save a
     directory where every rank writes its own shard (`Engine.save_checkpoint(sharded=True)`),
-    with `save_background` by a thread beside the next steps (finished before returning).
+    with `save_background` by a writer process beside the next steps (finished before returning).
     `first_step`: the iterations done before this run (a resumed checkpoint's `iteration`), from
     which the saves count on: `{step}`, `save_every` and the `iteration` each save keeps.
     `lr_schedule`: each update's learning rate, of the iterations before it (`LRSchedule`).

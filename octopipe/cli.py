@@ -1398,11 +1398,10 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
         train = BlendedBatches(tuple(trains), weights, batch, args.data_parallel, what="--data")
         if valids:
             valid = BlendedBatches(tuple(valids), weights, batch, args.data_parallel, what="--data (its validation splits)")
+    data = TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters)
     if scan:
-        for data in (train, valid):
-            if data is not None:
-                data.check_vocabulary()
-    return TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters)
+        data.check_vocabulary()
+    return data
 
 
 def _weights(weights: tuple[float, ...]) -> str:
@@ -1432,10 +1431,12 @@ def _describe_data(data: Any) -> str:
         every = f"every {data.eval_interval} steps and " if data.eval_interval else ""
         lines.append(f"validation: {data.valid.describe()}; the first {data.eval_iters} "
                      f"batch{'es' if data.eval_iters > 1 else ''} evaluated {every}after the last step")
-    if data.train.samples is not None:  # (--split: what its test part holds, left unread)
-        end = max(tokens.samples[1] for tokens in (data.train, data.valid) if tokens is not None and tokens.samples)
-        if end < data.train.file_samples:
-            lines.append(f"test: sequences {end:,}-{data.train.file_samples - 1:,} of {data.train.path} (the --split's "
+    for tokens in data.files():  # (--split: what each file's test part holds, left unread)
+        if tokens.samples is None:
+            continue
+        end = max(part.samples[1] for part in data.files() if part.path == tokens.path and part.samples)
+        if tokens.samples[1] == end and end < tokens.file_samples:
+            lines.append(f"test: sequences {end:,}-{tokens.file_samples - 1:,} of {tokens.path} (the --split's "
                          "test part) are not read")
     return "\n".join(lines)
 
@@ -1485,6 +1486,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     from octopipe import models
     from octopipe.bench import (
         attached_optimizer,
+        loop_state,
         resume_keeping_settings,
         save_path,
         set_learning_rate,
@@ -1511,9 +1513,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     if rank == 0:
         try:
             if data is not None:  # (a pass over the files: on one rank, before any trains)
-                for tokens in (data.train, data.valid):
-                    if tokens is not None:
-                        tokens.check_vocabulary()
+                data.check_vocabulary()
             planning, costs = cluster, "profile" if args.profile else "analytic"
             if args.profile and device.type == "cpu" and not on_meta:
                 # CPU ranks: measured inside pipelined steps on processes of this node, as local
@@ -1605,13 +1605,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                         engine.loss_scaler.scale if engine.loss_scaler else None)
         if line and rank == 0:
             print(line, flush=True)
+        done = args.first_step + step + 1
         if _saves_at(args, step):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
-            engine.save_checkpoint(save_path(args.save, args.first_step + step + 1), sharded=args.save_sharded,
-                                   background=args.async_save,
-                                   extra={"iteration": args.first_step + step + 1,
-                                          **(data.saved(step + 1) if data is not None else {})})
-        done = args.first_step + step + 1
+            engine.save_checkpoint(save_path(args.save, done), sharded=args.save_sharded, background=args.async_save,
+                                   extra=loop_state(done, data, step + 1))
         if data is not None and data.evaluates_after(done, args.first_step + args.steps):
             loss = data.evaluate(engine)  # (collective)
             if rank == 0:

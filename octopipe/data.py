@@ -412,6 +412,16 @@ class TrainingData:
         if self.valid is not None:
             self.valid.check_enough(self.eval_iters)
 
+    def files(self) -> list[TokenBatches]:
+        """Every file's `TokenBatches` of the training and validation sets (a blend's parts)."""
+        sets = [tokens for tokens in (self.train, self.valid) if tokens is not None]
+        return [part for tokens in sets for part in (tokens.parts if isinstance(tokens, BlendedBatches) else (tokens,))]
+
+    def check_vocabulary(self) -> None:
+        """Refuse a token id outside the model's vocabulary in any file (a pass over each)."""
+        for tokens in self.files():
+            tokens.check_vocabulary()
+
     def batch(self, step: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
         """Replica `replica`'s batch at step `step` of this run (0-based)."""
         return self.train.batch_at(self.consumed + step * self.train.global_batch, replica)

@@ -1713,6 +1713,9 @@ def test_train_blends_several_token_files_by_weight(tmp_path, capsys):
     assert "data: a blend of 2 files, 8 sequences a step; 75% from" in out and "; 25% from" in out
     assert "validation: a blend of 2 files" in out and "validation after 2 steps: loss" in out
     losses = [line.split()[3] for line in out.splitlines() if line.startswith("step ")]
+    assert main([*words, "--split", "90,8,2", "--eval-iters", "1"]) == EXIT_OK  # each file's test part named
+    assert len(re.findall(r"^test: sequences \d+-186 of .* \(the --split's test part\) are not read$",
+                          capsys.readouterr().out, re.MULTILINE)) == 2
     assert main(words) == EXIT_OK  # by their sizes: an even blend here
     out = capsys.readouterr().out
     assert "50% from" in out and [line.split()[3] for line in out.splitlines() if line.startswith("step ")] != losses

@@ -1623,16 +1623,14 @@ class Engine:
             if extra is not None and self.rank == 0:
                 shard["extra"] = _to_cpu(dict(extra))
             if background:  # one copy, into the writer's shared file (what the next steps change is not in it)
-                if self._writer is None:
-                    self._writer = ShardWriter()
-                self._writer.submit(shard, os.path.join(path, name))
+                self._shard_writer().submit(shard, os.path.join(path, name))
         except Exception as exc:  # noqa: BLE001 - as above
             errors.append(exc)
             background = False
         if errors:
             self._commit_sharded(path, token[0], name, errors)
         elif background:
-            self._saving = (self._writer, path, token[0], name, errors)
+            self._saving = (self._shard_writer(), path, token[0], name, errors)
         else:
             write(shard)
             self._commit_sharded(path, token[0], name, errors)
@@ -1641,9 +1639,12 @@ class Engine:
         """Start the process that writes background saves now (it imports torch: a second or
         two), rather than at the first `save_checkpoint(..., background=True)`, which would wait
         for it; a loop that will save in the background calls this before training."""
+        self._shard_writer().start()
+
+    def _shard_writer(self) -> ShardWriter:
         if self._writer is None:
             self._writer = ShardWriter()
-        self._writer.start()
+        return self._writer
 
     def finish_checkpoint(self) -> None:
         """Collective where a background save (`save_checkpoint(..., background=True)`) is
