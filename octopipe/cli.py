@@ -938,7 +938,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads,
+                            loss_weight=_loss_weight(args))
     if args.candidates > 1:
         pipe = _fastest_measured(pipe, args, model, inputs, target, loss_fn)
     print(pipe.dump("plan"))
@@ -1279,7 +1280,8 @@ def _fastest_measured(pipe: Any, args: argparse.Namespace, model: Any, inputs: A
                                        autocast=pipe.autocast, data_parallel=pipe.data_parallel,
                                        memory=pipe.simulation.memory, shard_optimizer=pipe.shard_optimizer,
                                        overlap_param_gather=pipe.overlap_param_gather,
-                                       master_weights=pipe.master_weights, fp32_grads=pipe.fp32_grads)
+                                       master_weights=pipe.master_weights, fp32_grads=pipe.fp32_grads,
+                                       loss_weight=pipe.loss_weight)
                       for plan in plans[1:]]
     timings = measure_many(pipes, inputs, target, steps=CANDIDATE_STEPS, warmup=1, rewarm=True)
     fastest = min(range(len(pipes)), key=lambda k: timings[k].median_ms)
@@ -1314,7 +1316,8 @@ def _check_data_flags(args: argparse.Namespace) -> None:
 
     if args.data is None:
         given = [flag for flag, value in (("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
-                                          ("--split", args.split), ("--eval-data", args.eval_data)) if value is not None]
+                                          ("--split", args.split), ("--eval-data", args.eval_data),
+                                          ("--eod-mask-loss", args.eod_mask_loss)) if value is not None]
         if given:
             raise OctopipeError(f"train {given[0]}: applies to --data FILE (the token ids to train on); give --data "
                                 "too")
@@ -1398,10 +1401,26 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
         train = BlendedBatches(tuple(trains), weights, batch, args.data_parallel, what="--data")
         if valids:
             valid = BlendedBatches(tuple(valids), weights, batch, args.data_parallel, what="--data (its validation splits)")
-    data = TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters)
+    data = TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters,
+                        eod_mask=args.eod_mask_loss)
     if scan:
-        data.check_vocabulary()
+        _scan(data)
     return data
+
+
+def _scan(data: Any) -> None:
+    """One pass over every file of `data`: ids outside the vocabulary refused, and a note for a
+    file that never holds the --eod-mask-loss id."""
+    for note in data.check_vocabulary():
+        print(f"note: train {note}", file=sys.stderr, flush=True)
+
+
+def _loss_weight(args: argparse.Namespace) -> Any:
+    """compile's `loss_weight` for this run: with --eod-mask-loss, the targets that count (so the
+    loss is their mean over the whole global batch), else None (each microbatch's mean, equally)."""
+    from octopipe import models
+
+    return models.lm_tokens if args.eod_mask_loss is not None else None
 
 
 def _weights(weights: tuple[float, ...]) -> str:
@@ -1427,6 +1446,9 @@ def _ms(value: float) -> str:
 
 def _describe_data(data: Any) -> str:
     lines = [f"data: {data.train.describe()}"]
+    if data.eod_mask is not None:
+        lines.append(f"loss: the targets after each end of document (input token {data.eod_mask}) left out; the mean "
+                     "over the rest of the global batch (--eod-mask-loss)")
     if data.valid is not None:
         every = f"every {data.eval_interval} steps and " if data.eval_interval else ""
         lines.append(f"validation: {data.valid.describe()}; the first {data.eval_iters} "
@@ -1513,7 +1535,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     if rank == 0:
         try:
             if data is not None:  # (a pass over the files: on one rank, before any trains)
-                data.check_vocabulary()
+                _scan(data)
             planning, costs = cluster, "profile" if args.profile else "analytic"
             if args.profile and device.type == "cpu" and not on_meta:
                 # CPU ranks: measured inside pipelined steps on processes of this node, as local
@@ -1527,8 +1549,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                                      time_limit_s=args.time_limit or 10.0, effort=args.effort or 1.0, quiet=args.quiet,
                                      autocast=args.autocast, data_parallel=args.data_parallel,
                                      optimizer=args.optimizer, shard_optimizer=args.shard_optimizer,
-                            overlap_param_gather=args.overlap_param_gather,
-                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
+                                     overlap_param_gather=args.overlap_param_gather,
+                                     master_weights=_master_weights(args), fp32_grads=args.fp32_grads,
+                                     loss_weight=_loss_weight(args))
             plan_text = [str(first.plan)]
         except Exception:
             # the other ranks wait in the broadcast: tell them, so that they stop with one line
@@ -1547,7 +1570,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             autocast=args.autocast, data_parallel=args.data_parallel, optimizer=args.optimizer,
                             shard_optimizer=args.shard_optimizer,
                             overlap_param_gather=args.overlap_param_gather,
-                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads)
+                            master_weights=_master_weights(args), fp32_grads=args.fp32_grads,
+                            loss_weight=_loss_weight(args))
     init: Any = args.init or args.resume  # (--resume: the weights from it here, the rest after the optimizer)
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -1682,7 +1706,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
                         ("--data-dtype", args.data_dtype), ("--data-seed", args.data_seed),
                         ("--split", _weights(args.split) if args.split else None),
                         ("--eval-data", args.eval_data), ("--eval-interval", args.eval_interval),
-                        ("--eval-iters", args.eval_iters), ("--trace", args.trace),
+                        ("--eval-iters", args.eval_iters), ("--eod-mask-loss", args.eod_mask_loss),
+                        ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
@@ -2097,6 +2122,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(Megatron's --eval-interval)")
     p.add_argument("--eval-iters", type=_positive_int, default=None, metavar="K",
                    help="with --eval-data: the batches each evaluation reads (default 4; Megatron's --eval-iters)")
+    p.add_argument("--eod-mask-loss", type=_non_negative_int, default=None, metavar="ID",
+                   help="with --data: leave out of the loss every target whose input token is ID, the end-of-"
+                        "document id the data was tokenized with (octopipe tokenize --eod), so no document's first "
+                        "token is predicted from the one before it (Megatron's --eod-mask-loss, which takes the "
+                        "tokenizer's); the loss is then the mean over the targets that count in the whole global "
+                        "batch (Megatron's --calculate-per-token-loss), and so is the validation loss")
     p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (positive; the peak of a schedule)")
     p.add_argument("--lr-warmup-iters", type=_non_negative_int, default=0, metavar="W",
                    help="warm the learning rate up linearly from 0 to --lr over the first W iterations (Megatron's "

@@ -39,6 +39,10 @@ from octopipe.errors import ArgumentError, DataError
 DTYPES: dict[str, Any] = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 """The token dtypes a raw `.bin` file may hold (`--data-dtype`); a `.npy` file's header names its own."""
 
+IGNORE_INDEX = -100
+"""A target left out of the loss (`torch.nn.functional.cross_entropy`'s ignore_index, which
+`models.lm_loss` keeps)."""
+
 DEFAULT_DTYPE = "uint16"
 """A raw file's dtype unless told otherwise: what Megatron's and nanoGPT's preprocessing write for
 vocabularies under 65,536 tokens."""
@@ -203,17 +207,22 @@ class TokenBatches:
         tokens = self.rows(self.indices_at(position, replica))
         return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
 
-    def check_vocabulary(self, chunk: int = 1 << 24) -> None:
+    def check_vocabulary(self, chunk: int = 1 << 24, count: int | None = None) -> int:
         """Refuse a file holding a token id outside [0, vocab_size) anywhere, read in chunks of
-        `chunk` tokens (a pass over the file; each batch is checked again as it is read)."""
-        if self.vocab_size is None:
-            return
-        tokens = self.tokens
+        `chunk` tokens (a pass over the file; each batch is checked again as it is read). Returns
+        how often the file holds token `count` (0 without it)."""
+        if self.vocab_size is None and count is None:
+            return 0
+        tokens, found = self.tokens, 0
         for start in range(0, len(tokens), chunk):
             part = np.asarray(tokens[start:start + chunk])
-            bad = np.flatnonzero((part >= self.vocab_size) | (part < 0))
-            if len(bad):
-                raise DataError(self._outside(int(part[bad[0]]), start + int(bad[0])))
+            if self.vocab_size is not None:
+                bad = np.flatnonzero((part >= self.vocab_size) | (part < 0))
+                if len(bad):
+                    raise DataError(self._outside(int(part[bad[0]]), start + int(bad[0])))
+            if count is not None:
+                found += int(np.count_nonzero(part == count))
+        return found
 
     def _outside(self, token: int, position: int) -> str:
         raw = "" if Path(self.path).suffix == ".npy" else (
@@ -334,10 +343,6 @@ class BlendedBatches:
     def batch(self, iteration: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
         return self.batch_at(iteration * self.global_batch, replica)
 
-    def check_vocabulary(self) -> None:
-        for part in self.parts:
-            part.check_vocabulary()
-
     def taken(self, position: int) -> list[int]:
         """Each file's sequences among the blend's first `position`."""
         period, offset = divmod(position, BLEND_PERIOD)
@@ -407,24 +412,52 @@ class TrainingData:
     """Training sequences read before this run (a resumed checkpoint's consumed samples): step k
     of this run reads the global batch at `consumed + k * global_batch` of the order, so a run
     resumed with another batch or replica count reads on where the last one stopped."""
+    eod_mask: int | None = None
+    """An end-of-document id (what `tokenize --eod` wrote): every target whose input token is it
+    (a document's first token, predicted across the boundary) is set to `IGNORE_INDEX`, so the
+    loss leaves it out, as Megatron's --eod-mask-loss does. The step's loss is then the mean over
+    the targets that count in the whole global batch (train with `loss_weight=models.lm_tokens`),
+    and a validation loss the mean over every such target of its batches. None: every target
+    counts."""
 
     def __post_init__(self) -> None:
         if self.valid is not None:
             self.valid.check_enough(self.eval_iters)
+        if self.eod_mask is not None:
+            vocab = self.files()[0].vocab_size
+            if isinstance(self.eod_mask, bool) or not isinstance(self.eod_mask, int) or not (
+                    0 <= self.eod_mask < (vocab if vocab is not None else 1 << 63)):
+                raise ArgumentError(f"--eod-mask-loss {self.eod_mask!r}: not a token id of the model's vocabulary "
+                                    f"(0-{vocab - 1 if vocab is not None else 'any'}); give the end-of-document id "
+                                    "the data was tokenized with (octopipe tokenize --eod)")
 
     def files(self) -> list[TokenBatches]:
         """Every file's `TokenBatches` of the training and validation sets (a blend's parts)."""
         sets = [tokens for tokens in (self.train, self.valid) if tokens is not None]
         return [part for tokens in sets for part in (tokens.parts if isinstance(tokens, BlendedBatches) else (tokens,))]
 
-    def check_vocabulary(self) -> None:
-        """Refuse a token id outside the model's vocabulary in any file (a pass over each)."""
+    def check_vocabulary(self) -> list[str]:
+        """Refuse a token id outside the model's vocabulary in any file (a pass over each). With
+        `eod_mask`, the same pass counts that id: a note for each file that never holds it (the
+        mask would leave nothing out there: another id than the data's end of document?)."""
+        notes = []
         for tokens in self.files():
-            tokens.check_vocabulary()
+            found = tokens.check_vocabulary(count=self.eod_mask)
+            if self.eod_mask is not None and not found:
+                notes.append(f"--eod-mask-loss {self.eod_mask}: {tokens.path} never holds token {self.eod_mask}, so "
+                             "nothing is masked there; is it the id the data was tokenized with (tokenize --eod)?")
+        return notes
 
     def batch(self, step: int, replica: int = 0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
-        """Replica `replica`'s batch at step `step` of this run (0-based)."""
-        return self.train.batch_at(self.consumed + step * self.train.global_batch, replica)
+        """Replica `replica`'s batch at step `step` of this run (0-based), its targets masked
+        after each end of document where `eod_mask` is given."""
+        return self.masked(*self.train.batch_at(self.consumed + step * self.train.global_batch, replica))
+
+    def masked(self, inputs: tuple[torch.Tensor], target: torch.Tensor) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        """(inputs, target) with every target whose input is `eod_mask` set to `IGNORE_INDEX`."""
+        if self.eod_mask is None:
+            return inputs, target
+        return inputs, target.masked_fill(inputs[0] == self.eod_mask, IGNORE_INDEX)
 
     def saved(self, steps: int) -> dict[str, Any]:
         """What a checkpoint taken after `steps` steps of this run keeps of the data: the sequences
@@ -458,9 +491,15 @@ class TrainingData:
         """The validation loss: the mean of `engine.evaluate` over the first `eval_iters` global
         batches, each replica's engine on its own share of each (a collective, like a step)."""
         assert self.valid is not None
-        replica = engine.replicas.replica
-        losses = [engine.evaluate(*self.valid.batch(k, replica)) for k in range(self.eval_iters)]
-        return sum(losses) / len(losses)
+        valid, replica = self.valid, engine.replicas.replica
+        losses = [engine.evaluate(*self.masked(*valid.batch(k, replica))) for k in range(self.eval_iters)]
+        if self.eod_mask is None:
+            return sum(losses) / len(losses)
+        # each batch's loss is the mean over its targets that count: weigh it by them (every
+        # replica's share, which each rank reads for itself)
+        counts = [sum(int((self.masked(*valid.batch(k, r))[1] != IGNORE_INDEX).sum()) for r in range(valid.replicas))
+                  for k in range(self.eval_iters)]
+        return sum(loss * count for loss, count in zip(losses, counts)) / sum(counts)
 
 
 # -- making token files ---------------------------------------------------------------------------

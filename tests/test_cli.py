@@ -1409,9 +1409,10 @@ def _token_files(tmp_path):
     return tmp_path / "train.bin", tmp_path / "valid.npy"
 
 
-def _plain_on_token_data(start, train, valid, replicas, steps, eval_every, optimizer=None):
+def _plain_on_token_data(start, train, valid, replicas, steps, eval_every, optimizer=None, eod=None):
     """Single-process AdamW (or `optimizer(model)`) on the same global batches: the losses and the
-    validation losses."""
+    validation losses. `eod`: every target whose input is that id ignored (-100), each loss the
+    mean over the rest of its global batch, and a validation loss over the rest of its 4 batches."""
     import torch
 
     from octopipe import models
@@ -1424,7 +1425,8 @@ def _plain_on_token_data(start, train, valid, replicas, steps, eval_every, optim
 
     def whole(data, k):  # the replicas' shares, in replica order: one global batch
         parts = [data.batch(k, r) for r in range(replicas)]
-        return torch.cat([inputs for (inputs,), _ in parts]), torch.cat([target for _, target in parts])
+        inputs, target = torch.cat([inputs for (inputs,), _ in parts]), torch.cat([target for _, target in parts])
+        return inputs, target if eod is None else torch.where(inputs == eod, -100, target)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if optimizer is None else optimizer(model)
     losses, evaluations = [], {}
@@ -1437,8 +1439,9 @@ def _plain_on_token_data(start, train, valid, replicas, steps, eval_every, optim
         optimizer.zero_grad()
         if (k + 1) % eval_every == 0 or k + 1 == steps:
             with torch.no_grad():
-                evaluations[k + 1] = sum(models.lm_loss(model(x), y).item() for x, y in
-                                         (whole(checks, j) for j in range(4))) / 4
+                held = [whole(checks, j) for j in range(4)]
+                evaluations[k + 1] = models.lm_loss(model(torch.cat([x for x, _ in held])),
+                                                    torch.cat([y for _, y in held])).item()
     return losses, evaluations
 
 
@@ -1475,6 +1478,72 @@ def test_train_on_token_data_equals_plain_training_on_the_same_batches(tmp_path,
         assert sorted(evaluations) == [2, 3]
         assert [evaluations[k] for k in (2, 3)] == pytest.approx([expected_evaluations[k] for k in (2, 3)], abs=2e-5)
     assert "each on its own share of every step" in out
+
+
+def _document_files(tmp_path, eod=255):
+    """Training and validation streams of documents of 3-40 tokens, each ended by `eod`."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 255, size=45)
+    docs = [np.append(np.roll(base, int(rng.integers(45)))[:int(rng.integers(3, 41))], eod) for _ in range(400)]
+    stream = np.concatenate(docs).astype(np.uint16)
+    stream[:6000].tofile(tmp_path / "docs.bin")
+    stream[6000:9000].tofile(tmp_path / "docs-valid.bin")
+    return tmp_path / "docs.bin", tmp_path / "docs-valid.bin"
+
+
+@pytest.mark.timeout(300)
+def test_train_eod_mask_loss_equals_plain_training_on_the_token_mean_of_the_unmasked_targets(tmp_path, capsys):
+    # Megatron's --eod-mask-loss: no document's first token predicted across the boundary; the
+    # loss the mean over the targets that count in the whole global batch, whatever its cut into
+    # microbatches and replicas (each microbatch's mean, equally weighted, would differ). SGD:
+    # AdamW's first steps blow rounding up (a tiny gradient's update is its sign times lr)
+    import torch
+
+    from octopipe import models
+    from octopipe.data import TokenBatches
+
+    train, valid = _document_files(tmp_path)
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=1.0)  # noqa: E731
+    torch.manual_seed(5)
+    torch.save({"model": models.build("llama", "tiny").state_dict()}, tmp_path / "start.pt")
+    words = ["train", "--model", "llama", "--data", str(train), "--eval-data", str(valid), "--eval-interval", "2",
+             "--steps", "3", "--lr", "1.0", "--optimizer", "sgd", "--schedule", "zb-h1", "--quiet",
+             "--init", str(tmp_path / "start.pt"), "--eod-mask-loss", "255"]
+    for replicas in (1, 2):
+        assert main([*words, "--data-parallel", str(replicas)]) == EXIT_OK
+        out = capsys.readouterr().out
+        assert "loss: the targets after each end of document (input token 255) left out" in out
+        losses, evaluations = _losses_and_evaluations(out)
+        expected, expected_evaluations = _plain_on_token_data(tmp_path / "start.pt", train, valid, replicas, 3, 2,
+                                                              optimizer=sgd, eod=255)
+        assert losses == pytest.approx(expected, abs=2e-5) and len(set(losses)) == 3
+        assert [evaluations[k] for k in (2, 3)] == pytest.approx([expected_evaluations[k] for k in (2, 3)], abs=2e-5)
+    # the masks leave the microbatches unequal counts, so an unweighted mean of their means is
+    # another loss: the test above tells them apart
+    model = models.build("llama", "tiny")
+    model.load_state_dict(torch.load(tmp_path / "start.pt")["model"])
+    (inputs,), target = TokenBatches(str(train), seq_len=32, batch_size=8).batch(0)
+    target = torch.where(inputs == 255, -100, target)
+    with torch.no_grad():
+        logits = model(inputs)
+        means = [models.lm_loss(logits[k:k + 2], target[k:k + 2]).item() for k in range(0, 8, 2)]
+        assert len({int((target[k:k + 2] != -100).sum()) for k in range(0, 8, 2)}) > 1
+        assert abs(sum(means) / 4 - models.lm_loss(logits, target).item()) > 1e-4
+    # an id the files never hold is named; the torchrun line carries the flag
+    assert main([*words[:-1], "254", "--steps", "1"]) == EXIT_OK
+    assert f"--eod-mask-loss 254: {train} never holds token 254, so nothing is masked there" in capsys.readouterr().err
+    assert main([*words, "--nprocs", "8", "--torchrun"]) == EXIT_OK
+    assert "--eval-iters" not in (line := capsys.readouterr().out) and "--eod-mask-loss 255" in line
+    # under torchrun (2 ranks), the same losses as the local run
+    proc = _torchrun([*words, "--data-parallel", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun_losses, torchrun_evaluations = _losses_and_evaluations(proc.stdout)
+    local, local_evaluations = _plain_on_token_data(tmp_path / "start.pt", train, valid, 1, 3, 2, optimizer=sgd,
+                                                    eod=255)
+    assert torchrun_losses == pytest.approx(local, abs=2e-5)
+    assert [torchrun_evaluations[k] for k in (2, 3)] == pytest.approx([local_evaluations[k] for k in (2, 3)], abs=2e-5)
 
 
 @pytest.mark.timeout(300)

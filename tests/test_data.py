@@ -94,6 +94,26 @@ def test_a_token_outside_the_vocabulary_is_named_with_its_position(stream):
         data.batch(4)
 
 
+def test_eod_mask_leaves_out_each_target_after_an_end_of_document(tmp_path):
+    # Megatron's --eod-mask-loss: where the input token is the end of a document, its target
+    # (the next document's first token) is ignored; a file without the id is noted
+    path = tmp_path / "docs.bin"
+    np.array([5, 6, 9, 7, 9, 8, 8, 8, 9, 5, 6], dtype=np.uint16).tofile(path)
+    train = TokenBatches(str(path), seq_len=5, batch_size=2, shuffle=False, vocab_size=10)
+    data = TrainingData(train, eod_mask=9)
+    (inputs,), target = data.batch(0)
+    assert inputs.tolist() == [[5, 6, 9, 7, 9], [8, 8, 8, 9, 5]]
+    # the end of document itself is predicted (9 after 6); what follows it is not
+    assert target.tolist() == [[6, 9, -100, 9, -100], [8, 8, 9, -100, 6]]
+    assert TrainingData(train).batch(0)[1].tolist() == train.batch(0)[1].tolist()  # without it: untouched
+    assert data.check_vocabulary() == []
+    notes = TrainingData(train, eod_mask=4).check_vocabulary()
+    assert len(notes) == 1 and f"{path} never holds token 4, so nothing is masked there" in notes[0]
+    for bad in (10, -1, True):
+        with pytest.raises(ArgumentError, match=f"--eod-mask-loss {bad!r}: not a token id of the model's vocabulary"):
+            TrainingData(train, eod_mask=bad)
+
+
 def test_validation_sets_are_read_in_order_and_must_hold_their_batches(stream):
     valid = TokenBatches(str(stream), seq_len=10, batch_size=5, replicas=2, shuffle=False, what="--eval-data")
     assert [valid.sample_indices(k, r) for k in range(2) for r in range(2)] == [
