@@ -225,12 +225,15 @@ def resume_keeping_settings(engine: Any, optimizer: Any, path: str,
                 if key in SETTINGS and group.get(key) != value and not (scheduled and key == "lr"):
                     changed.setdefault(key, (group.get(key), value))
                     group[key] = value
+    regrouped = ("the run that saved it grouped the parameters otherwise (--weight-decay makes two groups: decay "
+                 "and none), so every parameter's optimizer state was loaded by its name"
+                 if getattr(engine, "optimizer_note", None) else "")
     if not changed:
-        return extra, None
+        return extra, f"--resume {path}: {regrouped}" if regrouped else None
     return extra, (f"--resume {path}: its optimizer stepped with " + ", ".join(f"{key} {old}" for key, (old, _) in
                                                                             changed.items())
                    + "; this run steps with " + ", ".join(f"{key} {new}" for key, (_, new) in changed.items())
-                   + " (its flags; give the saved run's to go on as it did)")
+                   + " (its flags; give the saved run's to go on as it did)" + (f"; {regrouped}" if regrouped else ""))
 
 
 def loop_state(iteration: int, data: Any = None, steps: int = 0) -> dict[str, Any]:

@@ -1662,6 +1662,58 @@ def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
+def test_train_resumed_with_weight_decay_loads_each_parameters_state_into_the_new_groups(tmp_path, capfd):
+    # saved without --weight-decay (one group), resumed with it (two): the Adam moments carry
+    # over by name, and the new groups step with this run's decay, as a plain loop that built
+    # the new optimizer and loaded each parameter's state would
+    import torch
+
+    from octopipe import models
+    from octopipe.data import TokenBatches
+
+    train, valid = _token_files(tmp_path)
+    torch.manual_seed(5)
+    torch.save({"model": models.build("llama", "tiny").state_dict()}, tmp_path / "start.pt")
+    words = ["train", "--model", "llama", "--data", str(train), "--lr", "0.01", "--optimizer", "adamw",
+             "--schedule", "zb-h1", "--quiet", "--steps", "2"]
+    assert main([*words, "--init", str(tmp_path / "start.pt"), "--save", str(tmp_path / "a.pt")]) == EXIT_OK
+    before, _ = _losses_and_evaluations(capfd.readouterr().out)
+    assert main([*words, "--weight-decay", "0.1", "--resume", str(tmp_path / "a.pt")]) == EXIT_OK
+    captured = capfd.readouterr()
+    after, _ = _losses_and_evaluations(captured.out)
+    assert "its optimizer stepped with weight_decay 0.01; this run steps with weight_decay 0.1" in captured.err
+    assert "the run that saved it grouped the parameters otherwise" in captured.err
+
+    model = models.build("llama", "tiny")
+    model.load_state_dict(torch.load(tmp_path / "start.pt")["model"])
+    batches = TokenBatches(str(train), seq_len=32, batch_size=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    expected = []
+    for k in range(4):
+        if k == 2:  # the resumed run's optimizer: two groups, each parameter's moments carried over
+            state = {p: dict(optimizer.state[p]) for p in model.parameters()}
+            optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2],
+                                            "weight_decay": 0.1},
+                                           {"params": [p for p in model.parameters() if p.ndim < 2],
+                                            "weight_decay": 0.0}], lr=0.01)
+            for param, entry in state.items():
+                optimizer.state[param] = entry
+        (inputs,), target = batches.batch(k)
+        loss = models.lm_loss(model(inputs), target)
+        expected.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert before + after == pytest.approx(expected, abs=2e-5)
+    # and back: saved with two groups, resumed with one (AdamW's default decay on every weight)
+    assert main([*words, "--resume", str(tmp_path / "a.pt"), "--weight-decay", "0.1", "--save",
+                 str(tmp_path / "b.pt")]) == EXIT_OK
+    capfd.readouterr()
+    assert main([*words, "--resume", str(tmp_path / "b.pt")]) == EXIT_OK
+    assert "the run that saved it grouped the parameters otherwise" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(300)
 def test_train_optimizer_flags_are_megatrons(tmp_path, capsys):
     # --weight-decay decays only the parameters of two or more dimensions (Megatron's rule: not
     # biases and norm weights); --adam-beta1/2, --adam-eps, --sgd-momentum as torch takes them

@@ -469,6 +469,9 @@ class Engine:
                                 "master copies, but the model's weights are bf16 or fp32 and autocast is "
                                 f"{self.autocast} (no loss scaling needed); leave loss_scaler out")
         self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_note: str | None = None
+        """After `load_state_dict` / `load_checkpoint`: where the saved optimizer grouped the
+        parameters otherwise, a note saying how its state was loaded (`load_optimizer_state`)."""
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
         (perf_counter seconds): the measured timeline, for calibration and diagnosis. A compute
@@ -1501,7 +1504,8 @@ class Engine:
                     value = saved_rows(value, state["optimizer"]["state"][name], rows, f"{where}: {name!r}")
                 master.copy_(value)
         if self.optimizer is not None and "optimizer" in state:
-            load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"], where, self._split)
+            self.optimizer_note = load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
+                                                       where, self._split)
         elif "optimizer" in state and self._params:
             warnings.warn(f"rank {self.rank}: load_state_dict: the state holds optimizer state but this engine has no "
                           "optimizer, so it is not loaded; attach the optimizer first (pipe.engine(rank, "
@@ -1797,37 +1801,52 @@ def saved_master(state: Mapping[str, Any], name: str) -> Tensor | None:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
                          state: Mapping[str, Any], where: str = "load_optimizer_state",
-                         split: Mapping[str, tuple[int, int, int]] | None = None) -> None:
+                         split: Mapping[str, tuple[int, int, int]] | None = None) -> str | None:
     """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`
     (a master copy's values saved beside an entry are not the optimizer's: `load_state_dict`
     and `load_into_model` take them). `split`: name -> (first row, end row, rows) for each
     parameter the optimizer steps only some rows of (a sharded engine's): its saved state is
-    cut to them (`saved_rows`)."""
+    cut to them (`saved_rows`).
+
+    Each parameter's state is found by its name, so the optimizer may group the parameters
+    otherwise than the saved one did (`train --weight-decay` makes two groups, where a run
+    without it had one): a group whose parameters were all in one saved group takes that group's
+    settings (lr, weight decay, ...: what `Optimizer.load_state_dict` restores), a group of
+    parameters from several keeps its own. Returns a note saying so where the groups differ,
+    else None."""
     split = split or {}
     name_of = {id(p): name for name, p in named_parameters.items()}
     check_optimizer_class(state, optimizer, where)
     groups = state["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise ExecutionError(f"{where}: the saved optimizer state has {len(groups)} param groups, this optimizer "
-                             f"{len(optimizer.param_groups)}; build the optimizer with the param groups of the run "
-                             "that saved it (the same factory; train --weight-decay puts the weights of two or more "
-                             "dimensions and the others in two groups, so resume with it if the run had it, and "
-                             "without it if not)")
+    saved_group = {name: index for index, group in enumerate(groups) for name in group.get("params", ())}
+    regrouped = len(groups) != len(optimizer.param_groups)
     raw_state: dict[int, Any] = {}
     raw_groups = []
     position = 0
-    for group, saved in zip(optimizer.param_groups, groups):
+    for index, group in enumerate(optimizer.param_groups):
         positions = []
-        for param in group["params"]:
-            name = None if getattr(param, _STAND_IN, False) else name_of[id(param)]
+        names = [None if getattr(param, _STAND_IN, False) else name_of[id(param)] for param in group["params"]]
+        for name in names:
             if name in state["state"]:
                 entry = state["state"][name]
                 raw_state[position] = {key: saved_rows(value, entry, split.get(name), f"{where}: {name!r}")
                                        for key, value in entry.items() if key not in (MASTER_KEY, ROWS_KEY)}
             positions.append(position)
             position += 1
-        raw_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
+        owners = {saved_group[name] for name in names if name in saved_group}
+        if len(owners) > 1 or (not owners and regrouped):  # (its own settings)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            regrouped = True
+        else:
+            settings = {k: v for k, v in groups[owners.pop() if owners else index].items() if k != "params"}
+        raw_groups.append({**settings, "params": positions})
     optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
+    if not regrouped:
+        return None
+    return (f"{where}: the saved optimizer grouped its parameters in {len(groups)} param group"
+            f"{'s' if len(groups) != 1 else ''}, this one in {len(optimizer.param_groups)}: every parameter's state was "
+            "loaded by its name, and each group took the saved settings of its parameters' group where they shared "
+            "one, else kept its own")
 
 
 SHARDED_INDEX = "octopipe-checkpoint.json"

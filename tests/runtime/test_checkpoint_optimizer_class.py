@@ -26,3 +26,34 @@ def test_an_optimizer_state_refuses_another_kind_of_optimizer():
     with pytest.raises(ExecutionError, match="is another optimizer's, this optimizer is SGD"):
         check_optimizer_class(older, sgd, "here")
     check_optimizer_class(older, torch.optim.Adam([weight]), "here")  # (Adam and AdamW: the same groups' keys)
+
+
+def test_an_optimizer_grouped_otherwise_loads_each_parameters_state_by_name():
+    # a run resumed with --weight-decay (two groups: decay on matrices, none on vectors) from
+    # one saved without it (one group), and back
+    matrix, vector = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))
+    named = {"m": matrix, "v": vector}
+    one = torch.optim.AdamW([matrix, vector], lr=0.1, weight_decay=0.05)
+    for param in (matrix, vector):
+        param.grad = torch.randn_like(param)
+    one.step()
+    state = named_optimizer_state(one, named)
+    two = torch.optim.AdamW([{"params": [vector], "weight_decay": 0.0}, {"params": [matrix], "weight_decay": 0.3}],
+                            lr=0.2)
+    note = load_optimizer_state(two, named, state, "here")
+    assert note is not None and "in 1 param group, this one in 2: every parameter's state was loaded by its name" in note
+    for param in (matrix, vector):
+        assert torch.equal(two.state[param]["exp_avg"], one.state[param]["exp_avg"])
+        assert torch.equal(two.state[param]["exp_avg_sq"], one.state[param]["exp_avg_sq"])
+    # each group's parameters were all in the saved group: its settings, as load_state_dict restores them
+    assert [(g["lr"], g["weight_decay"]) for g in two.param_groups] == [(0.1, 0.05), (0.1, 0.05)]
+    two.param_groups[0]["weight_decay"], two.param_groups[1]["weight_decay"] = 0.0, 0.3
+    saved_two = named_optimizer_state(two, named)
+    back = torch.optim.AdamW([matrix, vector], lr=0.7, weight_decay=0.01)
+    assert "in 2 param groups, this one in 1" in load_optimizer_state(back, named, saved_two, "here")
+    assert back.param_groups[0]["weight_decay"] == 0.01  # parameters of two saved groups: its own settings
+    assert torch.equal(back.state[vector]["exp_avg"], two.state[vector]["exp_avg"])
+    # the same groups (in another order): the saved group of each parameter, no note
+    swapped = torch.optim.AdamW([{"params": [matrix]}, {"params": [vector]}], lr=0.5)
+    assert load_optimizer_state(swapped, named, saved_two, "here") is None
+    assert [g["weight_decay"] for g in swapped.param_groups] == [0.3, 0.0]
