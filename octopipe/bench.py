@@ -56,6 +56,8 @@ class StepTiming:
     evaluations: tuple[tuple[int, float], ...] = ()
     """With validation data (`octopipe.data.TrainingData`): (iterations done, validation loss)
     after each evaluation, outside the timed steps."""
+    test_loss: float | None = None
+    """With a test part (`TrainingData.test`): its loss after the last step, else None."""
     timelines: tuple[tuple[TimelineEntry, ...], ...] = ()
     """Where asked for (`measure_steps(trace=True)`): every rank's instructions in the last timed
     step, in rank order (`measured_trace` draws them)."""
@@ -401,12 +403,15 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
+    # the test part after the last step (collective)
+    tests = [data.evaluate(engine, data.test, data.test_batches) if data is not None and data.test_batches else None
+             for engine in engines]
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
-                       tuple(ev), (tr,) if trace else ())
-            for t, values, b, o, sc, sk, ev, tr in zip(times, losses, busy, op_spans, scales, skipped, evaluations,
-                                                       traced)], durations, link_rounds
+                       tuple(ev), test, (tr,) if trace else ())
+            for t, values, b, o, sc, sk, ev, test, tr in zip(times, losses, busy, op_spans, scales, skipped, evaluations,
+                                                             tests, traced)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,

@@ -991,6 +991,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         done = args.first_step + step + 1
         if done in evaluations:
             print(_evaluation_line(done, evaluations[done]))
+    if timing.test_loss is not None:
+        print(_evaluation_line(args.first_step + args.steps, timing.test_loss, "test"))
     if args.save:
         last = save_path(args.save, args.first_step + args.steps)
         print(f"saved the checkpoint to {last} (train --resume {last} continues from it)")
@@ -1331,9 +1333,10 @@ def _check_data_flags(args: argparse.Namespace) -> None:
         raise OctopipeError("train: give --eval-data FILE (a validation file) or --split (a validation part of --data), "
                             "not both")
     validates = args.eval_data is not None or (args.split is not None and args.split[1] > 0)
+    tests = args.split is not None and len(args.split) > 2 and args.split[2] > 0  # (--eval-iters sizes its evaluation)
     if not validates:
-        given = [flag for flag, value in (("--eval-interval", args.eval_interval), ("--eval-iters", args.eval_iters))
-                 if value is not None]
+        given = [flag for flag, value in (("--eval-interval", args.eval_interval),
+                                          ("--eval-iters", None if tests else args.eval_iters)) if value is not None]
         if given:
             raise OctopipeError(f"train {given[0]}: applies to a validation set; give --eval-data FILE, or --split "
                                 "T,V with a validation weight V > 0" if args.split is None else
@@ -1383,6 +1386,7 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
     seed = DATA_SEED if args.data_seed is None else args.data_seed
     trains: list[TokenBatches] = []
     valids: list[TokenBatches] = []
+    tests: list[TokenBatches] = []
     for path in args.data:  # each file cut by --split on its own, as Megatron splits each dataset
         whole = TokenBatches(path, seed=seed, dtype=raw(path), what="--data", **common)
         if args.split is None:
@@ -1390,19 +1394,24 @@ def _token_data(args: argparse.Namespace, model: Any, inputs: tuple, target: Any
             continue
         parts = split_samples(whole.file_samples, args.split, f"train --split (of {path})")
         trains.append(TokenBatches(path, seed=seed, samples=parts[0], dtype=raw(path), what="--data", **common))
-        if args.split[1] > 0:
-            valids.append(TokenBatches(path, shuffle=False, samples=parts[1], dtype=raw(path),
-                                       what="--data (its validation split)", **common))
+        for held, weight, part, name in ((valids, args.split[1], 1, "validation"),
+                                         (tests, args.split[2] if len(args.split) > 2 else 0, 2, "test")):
+            if weight > 0:
+                held.append(TokenBatches(path, shuffle=False, samples=parts[part], dtype=raw(path),
+                                         what=f"--data (its {name} split)", **common))
     valid: Any = (TokenBatches(args.eval_data, shuffle=False, dtype=raw(args.eval_data), what="--eval-data", **common)
                   if args.eval_data else valids[0] if len(valids) == 1 else None)
+    test: Any = tests[0] if len(tests) == 1 else None
     train: Any = trains[0]
     if len(trains) > 1:  # a blend by --data-weights, else by the files' sequences
         weights = tuple(args.data_weights) if args.data_weights else tuple(float(t.num_samples) for t in trains)
         train = BlendedBatches(tuple(trains), weights, batch, args.data_parallel, what="--data")
         if valids:
             valid = BlendedBatches(tuple(valids), weights, batch, args.data_parallel, what="--data (its validation splits)")
+        if tests:
+            test = BlendedBatches(tuple(tests), weights, batch, args.data_parallel, what="--data (its test splits)")
     data = TrainingData(train, valid, args.eval_interval, EVAL_ITERS if args.eval_iters is None else args.eval_iters,
-                        eod_mask=args.eod_mask_loss)
+                        eod_mask=args.eod_mask_loss, test=test)
     if scan:
         _scan(data)
     return data
@@ -1453,18 +1462,17 @@ def _describe_data(data: Any) -> str:
         every = f"every {data.eval_interval} steps and " if data.eval_interval else ""
         lines.append(f"validation: {data.valid.describe()}; the first {data.eval_iters} "
                      f"batch{'es' if data.eval_iters > 1 else ''} evaluated {every}after the last step")
-    for tokens in data.files():  # (--split: what each file's test part holds, left unread)
-        if tokens.samples is None:
-            continue
-        end = max(part.samples[1] for part in data.files() if part.path == tokens.path and part.samples)
-        if tokens.samples[1] == end and end < tokens.file_samples:
-            lines.append(f"test: sequences {end:,}-{tokens.file_samples - 1:,} of {tokens.path} (the --split's "
-                         "test part) are not read")
+    if data.test is not None:  # (--split's test part: evaluated after the last step, as Megatron does)
+        batches = data.test_batches
+        lines.append(f"test: {data.test.describe()}; " + (
+            f"the first {batches} batch{'es' if batches > 1 else ''} evaluated after the last step" if batches else
+            f"less than one batch of {data.test.global_batch} sequences, so it is not evaluated (give the --split's "
+            "test part a larger share, or use a smaller batch)"))
     return "\n".join(lines)
 
 
-def _evaluation_line(done: int, loss: float) -> str:
-    return f"validation after {done} step{'s' if done != 1 else ''}: loss {loss:.5f}  perplexity {math.exp(min(loss, 700.0)):.5g}"
+def _evaluation_line(done: int, loss: float, which: str = "validation") -> str:
+    return f"{which} after {done} step{'s' if done != 1 else ''}: loss {loss:.5f}  perplexity {math.exp(min(loss, 700.0)):.5g}"
 """`--autocast` values (octopipe.runtime.amp takes them; importing it here would import torch)."""
 
 
@@ -1638,6 +1646,10 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             loss = data.evaluate(engine)  # (collective)
             if rank == 0:
                 print(_evaluation_line(done, loss), flush=True)
+    if data is not None and data.test_batches:  # (collective)
+        loss = data.evaluate(engine, data.test, data.test_batches)
+        if rank == 0:
+            print(_evaluation_line(args.first_step + args.steps, loss, "test"), flush=True)
     engine.finish_checkpoint()  # (a background save's index: collective)
     if args.trace:  # (collective: every rank's timeline to rank 0, which writes the file)
         timelines: list[Any] | None = [None] * world_size if rank == 0 else None
@@ -2111,8 +2123,10 @@ def _parser() -> argparse.ArgumentParser:
                         "Megatron's --seed)")
     p.add_argument("--split", type=_split_arg, default=None, metavar="T,V[,TEST]",
                    help="with --data: cut its sequences, in file order, into consecutive training, validation and "
-                        "(left unread) test parts by these weights (Megatron's --split, e.g. 98,2 or 949,50,1); the "
-                        "validation part is evaluated as --eval-data would be")
+                        "test parts by these weights (Megatron's --split, e.g. 98,2 or 949,50,1); the validation "
+                        "part is evaluated as --eval-data would be, and the test part once, after the last step, on "
+                        "its first --eval-iters batches (as many whole ones as it holds, where fewer), as Megatron "
+                        "evaluates its test split")
     p.add_argument("--eval-data", metavar="FILE", default=None,
                    help="with --data: validation tokens; after the last step (and every --eval-interval steps) the "
                         "loss over the first --eval-iters batches of FILE in file order, forwards only with dropout "
@@ -2121,7 +2135,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --eval-data: also evaluate after every N-th step, counted over the whole run "
                         "(Megatron's --eval-interval)")
     p.add_argument("--eval-iters", type=_positive_int, default=None, metavar="K",
-                   help="with --eval-data: the batches each evaluation reads (default 4; Megatron's --eval-iters)")
+                   help="with --eval-data or a --split's validation or test part: the batches each evaluation "
+                        "reads (default 4; Megatron's --eval-iters)")
     p.add_argument("--eod-mask-loss", type=_non_negative_int, default=None, metavar="ID",
                    help="with --data: leave out of the loss every target whose input token is ID, the end-of-"
                         "document id the data was tokenized with (octopipe tokenize --eod), so no document's first "

@@ -420,6 +420,10 @@ class TrainingData:
     and a validation loss the mean over every such target of its batches. None: every target
     counts."""
 
+    test: TokenBatches | BlendedBatches | None = None
+    """The test part of a `--split` (None without one): evaluated once, after the last step, on
+    its first `test_batches` global batches."""
+
     def __post_init__(self) -> None:
         if self.valid is not None:
             self.valid.check_enough(self.eval_iters)
@@ -432,16 +436,20 @@ class TrainingData:
                                     "the data was tokenized with (octopipe tokenize --eod)")
 
     def files(self) -> list[TokenBatches]:
-        """Every file's `TokenBatches` of the training and validation sets (a blend's parts)."""
-        sets = [tokens for tokens in (self.train, self.valid) if tokens is not None]
+        """Every file's `TokenBatches` of the training, validation and test sets (a blend's parts;
+        a `--split` file's once for each of its parts)."""
+        sets = [tokens for tokens in (self.train, self.valid, self.test) if tokens is not None]
         return [part for tokens in sets for part in (tokens.parts if isinstance(tokens, BlendedBatches) else (tokens,))]
 
     def check_vocabulary(self) -> list[str]:
         """Refuse a token id outside the model's vocabulary in any file (a pass over each). With
         `eod_mask`, the same pass counts that id: a note for each file that never holds it (the
         mask would leave nothing out there: another id than the data's end of document?)."""
-        notes = []
+        notes, seen = [], set()
         for tokens in self.files():
+            if (tokens.path, tokens.tokens.dtype) in seen:  # (a split's parts: one file, one pass)
+                continue
+            seen.add((tokens.path, tokens.tokens.dtype))
             found = tokens.check_vocabulary(count=self.eod_mask)
             if self.eod_mask is not None and not found:
                 notes.append(f"--eod-mask-loss {self.eod_mask}: {tokens.path} never holds token {self.eod_mask}, so "
@@ -487,19 +495,38 @@ class TrainingData:
             return False
         return done == last or (self.eval_interval is not None and done % self.eval_interval == 0)
 
-    def evaluate(self, engine: Any) -> float:
+    def evaluate(self, engine: Any, tokens: TokenBatches | BlendedBatches | None = None,
+                 batches: int | None = None) -> float:
         """The validation loss: the mean of `engine.evaluate` over the first `eval_iters` global
-        batches, each replica's engine on its own share of each (a collective, like a step)."""
-        assert self.valid is not None
-        valid, replica = self.valid, engine.replicas.replica
-        losses = [engine.evaluate(*self.masked(*valid.batch(k, replica))) for k in range(self.eval_iters)]
+        batches of `valid`, each replica's engine on its own share of each (a collective, like a
+        step). `tokens`, `batches`: another set's first batches (the test part: `test_batches`)."""
+        tokens = self.valid if tokens is None else tokens
+        batches = self.eval_iters if batches is None else batches
+        assert tokens is not None and batches > 0
+        replica = engine.replicas.replica
+        losses = [engine.evaluate(*self.masked(*tokens.batch(k, replica))) for k in range(batches)]
         if self.eod_mask is None:
             return sum(losses) / len(losses)
         # each batch's loss is the mean over its targets that count: weigh it by them (every
         # replica's share, which each rank reads for itself)
-        counts = [sum(int((self.masked(*valid.batch(k, r))[1] != IGNORE_INDEX).sum()) for r in range(valid.replicas))
-                  for k in range(self.eval_iters)]
+        counts = [sum(int((self.masked(*tokens.batch(k, r))[1] != IGNORE_INDEX).sum()) for r in range(tokens.replicas))
+                  for k in range(batches)]
         return sum(loss * count for loss, count in zip(losses, counts)) / sum(counts)
+
+    @property
+    def test_batches(self) -> int:
+        """The test part's global batches evaluated after the last step (Megatron evaluates its
+        test split then): `eval_iters`, or as many whole ones as it holds where that is fewer
+        (0: none, or less than one batch)."""
+        if self.test is None:
+            return 0
+        for batches in range(self.eval_iters, 0, -1):
+            try:
+                self.test.check_enough(batches)
+            except DataError:
+                continue
+            return batches
+        return 0
 
 
 # -- making token files ---------------------------------------------------------------------------

@@ -1622,7 +1622,8 @@ def test_train_split_validates_on_the_files_own_tail(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sequences 0-167 of its 187 of 32 + 1" in out  # round(187 * 0.9) = 168 for training
     assert "validation: " in out and "sequences 168-182 of its 187" in out
-    assert f"test: sequences 183-186 of {train} (the --split's test part) are not read" in out
+    assert (f"test: {train}: 6,000 uint16 tokens, sequences 183-186 of its 187 of 32 + 1; 8 a step, in file order; "
+            "less than one batch of 8 sequences, so it is not evaluated") in out
     losses, evaluations = _losses_and_evaluations(out)
     # 90,10 cuts the same training part, and its validation part starts where 90,8,2's does
     assert main([*words, "--split", "90,10"]) == EXIT_OK
@@ -1630,6 +1631,37 @@ def test_train_split_validates_on_the_files_own_tail(tmp_path, capsys):
     # all of the file: other batches
     assert main(words[:-2]) == EXIT_OK
     assert _losses_and_evaluations(capsys.readouterr().out)[0][1] != losses[1]
+
+
+@pytest.mark.timeout(300)
+def test_train_split_evaluates_its_test_part_after_the_last_step(tmp_path, capsys):
+    # Megatron evaluates the --split's test part once training ends: its loss equals a validation
+    # set of the same sequences, after the same training (the training part as a file of its own)
+    import numpy as np
+
+    train, _ = _token_files(tmp_path)
+    tokens = np.fromfile(train, dtype=np.uint16)  # 187 sequences: 131 training, 28 validation, 28 test
+    tokens[:131 * 32 + 1].tofile(tmp_path / "part.bin")
+    tokens[159 * 32:187 * 32 + 1].tofile(tmp_path / "test.bin")
+    words = ["train", "--model", "llama", "--steps", "3", "--schedule", "zb-h1", "--quiet", "--lr", "0.5",
+             "--eval-iters", "3"]
+    assert main([*words, "--data", str(train), "--split", "70,15,15"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "test: " in out and "sequences 159-186 of its 187 of 32 + 1; 8 a step, in file order; the first 3 batches" in out
+    split_losses, _ = _losses_and_evaluations(out)
+    test = re.findall(r"^test after 3 steps: loss ([\d.]+)  perplexity", out, re.MULTILINE)
+    assert main([*words, "--data", str(tmp_path / "part.bin"), "--eval-data", str(tmp_path / "test.bin")]) == EXIT_OK
+    losses, evaluations = _losses_and_evaluations(capsys.readouterr().out)
+    assert losses == split_losses and [float(t) for t in test] == [evaluations[3]]
+    # a test part alone (no validation part): --eval-iters sizes it; 2 whole batches held of 3 asked
+    assert main([*words, "--data", str(train), "--split", "90,0,10"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "the first 2 batches evaluated after the last step" in out and "test after 3 steps: loss" in out
+    assert "validation after" not in out
+    # and under torchrun, the same test loss
+    proc = _torchrun([*words, "--data", str(train), "--split", "70,15,15"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.findall(r"^test after 3 steps: loss ([\d.]+)  perplexity", proc.stdout, re.MULTILINE) == test
 
 
 def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
@@ -1834,9 +1866,9 @@ def test_train_blends_several_token_files_by_weight(tmp_path, capsys):
     assert "data: a blend of 2 files, 8 sequences a step; 75% from" in out and "; 25% from" in out
     assert "validation: a blend of 2 files" in out and "validation after 2 steps: loss" in out
     losses = [line.split()[3] for line in out.splitlines() if line.startswith("step ")]
-    assert main([*words, "--split", "90,8,2", "--eval-iters", "1"]) == EXIT_OK  # each file's test part named
-    assert len(re.findall(r"^test: sequences \d+-186 of .* \(the --split's test part\) are not read$",
-                          capsys.readouterr().out, re.MULTILINE)) == 2
+    assert main([*words, "--split", "90,8,2", "--eval-iters", "1"]) == EXIT_OK  # the files' test parts blended
+    out = capsys.readouterr().out
+    assert "test: a blend of 2 files" in out and "test after 2 steps: loss" in out
     assert main(words) == EXIT_OK  # by their sizes: an even blend here
     out = capsys.readouterr().out
     assert "50% from" in out and [line.split()[3] for line in out.splitlines() if line.startswith("step ")] != losses
