@@ -9,12 +9,13 @@ rank 0 between barriers (median reported), beside the simulator's prediction for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +62,9 @@ class StepTiming:
     timelines: tuple[tuple[TimelineEntry, ...], ...] = ()
     """Where asked for (`measure_steps(trace=True)`): every rank's instructions in the last timed
     step, in rank order (`measured_trace` draws them)."""
+    exit_reason: str | None = None
+    """Where an `ExitCheck` ended the run before its last step: why (the steps run are
+    `len(losses)`), else None."""
 
     @property
     def median_ms(self) -> float:
@@ -288,6 +292,56 @@ def saves_after(done: int, steps: int, every: int | None) -> bool:
     return done == steps or bool(every) and done % every == 0  # type: ignore[operator]
 
 
+@dataclass
+class ExitCheck:
+    """Megatron's ways to end a run early, asked after every step (`reason(iteration done)`):
+    `interval` (--exit-interval: after an iteration divisible by it), `minutes`
+    (--exit-duration-in-mins: once that long has passed since `start`) and `on_signal`
+    (--exit-signal-handler: once a SIGTERM has arrived, as a scheduler sends before it ends a
+    job). The time and the signal are agreed on by every rank (an all-reduce of both after each
+    step, where either is asked for), so every rank stops after the same step. Picklable until
+    `start`, which the rank that trains calls (it installs the signal handler there)."""
+
+    interval: int | None = None
+    minutes: float | None = None
+    on_signal: bool = False
+    started: float = 0.0
+    signalled: bool = False
+
+    def start(self) -> ExitCheck:
+        """Start the clock and (`on_signal`) catch SIGTERM in this process from now on (one that
+        reached a forked local rank before this is counted: `_passing_sigterm`)."""
+        import signal
+
+        self.started = time.monotonic()
+        if self.on_signal:
+            signal.signal(signal.SIGTERM, self._received)
+            self.signalled = self.signalled or _EARLY_SIGTERM[0]
+        return self
+
+    def _received(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+    def reason(self, done: int, device: Any = None) -> str | None:
+        """Why the run stops after iteration `done` (a collective where `minutes` or `on_signal`
+        is set: every rank calls it after every step), else None."""
+        import torch.distributed as dist
+
+        timed_out = self.minutes is not None and time.monotonic() - self.started > 60.0 * self.minutes
+        signalled = self.signalled
+        if (self.minutes is not None or self.on_signal) and dist.is_available() and dist.is_initialized():
+            flags = torch.tensor([float(timed_out), float(signalled)], device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            timed_out, signalled = bool(flags[0].item()), bool(flags[1].item())
+        if signalled:
+            return "a SIGTERM arrived (--exit-signal-handler)"
+        if timed_out:
+            return f"{self.minutes:g} minutes have passed (--exit-duration-in-mins)"
+        if self.interval and done % self.interval == 0:
+            return f"iteration {done} is a multiple of --exit-interval {self.interval}"
+        return None
+
+
 def save_path(save: str, steps_done: int) -> str:
     """Where `train --save` writes after `steps_done` steps: `save` with `{step}` replaced by that
     count (a file per save), or `save` itself."""
@@ -301,12 +355,15 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   resume: str | None = None, save: str | None = None, save_every: int | None = None,
                   save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
-                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False
+                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
+                  exit_check: ExitCheck | None = None
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
     from octopipe.runtime.amp import LossScaler
 
+    if exit_check is not None:  # (before anything slow: a SIGTERM from now on stops the run after a step)
+        exit_check.start()
     torch.manual_seed(0)
     engines = [pipe.engine(rank, init=init, loss_scaler=LossScaler(**loss_scaler) if loss_scaler else None)
                for pipe in pipes]
@@ -346,6 +403,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     # a warm-up without an update leaves no trace: the buffers it ran through (batch statistics),
     # the stages' dropout streams and the loss scale are put back as they were before it
     before = [copy.deepcopy(engine.state_dict()) for engine in engines] if warmup and not update_in_warmup else []
+    exit_reason = None
     for step in range(warmup + steps):
         if before and step == warmup:
             for engine, state in zip(engines, before):
@@ -403,13 +461,23 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 engine.timeline = None
         if link and step >= warmup:  # the link in the same minutes as the steps, between rounds
             link_rounds.append(_pingpong(rank, link_buffers, LINK_REPEATS))
-    # the test part after the last step (collective)
-    tests = [data.evaluate(engine, data.test, data.test_batches) if data is not None and data.test_batches else None
-             for engine in engines]
+        done = first_step + step - warmup + 1
+        if exit_check is not None and step >= warmup and step + 1 < warmup + steps:
+            exit_reason = exit_check.reason(done)  # (collective where it asks the time or a signal)
+            if exit_reason is not None:
+                for engine in engines:  # (the checkpoint to resume from, unless this step's save wrote it)
+                    if save and not saves_after(done, first_step + steps, save_every):
+                        engine.save_checkpoint(save_path(save, done), sharded=save_sharded,
+                                               background=save_background,
+                                               extra=loop_state(done, data, step - warmup + 1))
+                break
+    # the test part after the last step (collective; not where the run stopped early)
+    tests = [data.evaluate(engine, data.test, data.test_batches)
+             if data is not None and data.test_batches and exit_reason is None else None for engine in engines]
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
-                       tuple(ev), test, (tr,) if trace else ())
+                       tuple(ev), test, (tr,) if trace else (), exit_reason)
             for t, values, b, o, sc, sk, ev, test, tr in zip(times, losses, busy, op_spans, scales, skipped, evaluations,
                                                              tests, traced)], durations, link_rounds
 
@@ -421,7 +489,8 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   save: str | None = None, save_every: int | None = None, save_sharded: bool = False,
                   save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
-                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False) -> StepTiming:
+                  optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
+                  exit_check: ExitCheck | None = None) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -445,12 +514,15 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     data (each replica its share; the warm-up on the first step's) instead of `inputs` and
     `target`, and its validation set is evaluated where it says (the timing's `evaluations`).
     `optimizer_options`: `training_optimizer`'s (weight decay, betas, eps, momentum). `trace`:
-    record every rank's instructions in the last timed step (the timing's `timelines`)."""
+    record every rank's instructions in the last timed step (the timing's `timelines`).
+    `exit_check`: stop after the step it says to (`ExitCheck`; then, with `save`, the checkpoint
+    is written there, and the timing's `exit_reason` says why); with `on_signal`, a SIGTERM to
+    this process is passed on to the ranks while they run."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
                     save_background=save_background, first_step=first_step, lr_schedule=lr_schedule,
-                    data=data, optimizer_options=optimizer_options, trace=trace)[0][0]
+                    data=data, optimizer_options=optimizer_options, trace=trace, exit_check=exit_check)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -499,7 +571,8 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              loss_scaler: Mapping[str, Any] | None = None, resume: str | None = None, save: str | None = None,
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
              first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None,
-             optimizer_options: Mapping[str, Any] | None = None, trace: bool = False
+             optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
+             exit_check: ExitCheck | None = None
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -510,12 +583,13 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
-    results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
-                                                        learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
-                                                        link, update_in_warmup, init, loss_scaler, resume, save,
-                                                        save_every, save_sharded, save_background, first_step,
-                                                        lr_schedule, data, optimizer_options, trace),
-                     timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
+    with _passing_sigterm(exit_check is not None and exit_check.on_signal):
+        results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
+                                                            learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
+                                                            link, update_in_warmup, init, loss_scaler, resume, save,
+                                                            save_every, save_sharded, save_background, first_step,
+                                                            lr_schedule, data, optimizer_options, trace, exit_check),
+                         timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded
     timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms),
@@ -524,6 +598,38 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                    for step in range(len(timing.op_ms))))
                for index, timing in enumerate(results[0][0])]
     return timings, [durations for _, durations, _ in results], _least(rounds) if rounds else None
+
+
+_EARLY_SIGTERM = [False]
+"""Whether a SIGTERM reached this (forked local rank) process before its `ExitCheck.start`."""
+
+
+@contextlib.contextmanager
+def _passing_sigterm(on: bool) -> Iterator[None]:
+    """While on: a SIGTERM to this process is sent on to its child processes (the local ranks,
+    whose `ExitCheck` stops them after their step), not taken by this one."""
+    import multiprocessing
+    import os
+    import signal
+
+    if not on:
+        yield
+        return
+    parent = os.getpid()
+
+    def pass_on(signum: int, frame: Any) -> None:
+        if os.getpid() != parent:  # a forked rank that has not started its ExitCheck yet: it will see this
+            _EARLY_SIGTERM[0] = True
+            return
+        for child in multiprocessing.active_children():
+            if child.pid is not None:
+                os.kill(child.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 LINK_SIZES = (4, 4 * 2**20)

@@ -980,12 +980,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                            resume=args.resume, save=args.save, save_every=args.save_interval,
                            save_sharded=args.save_sharded, save_background=args.async_save,
                            first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
-                           optimizer_options=_optimizer_options(args), trace=bool(args.trace))
+                           optimizer_options=_optimizer_options(args), trace=bool(args.trace),
+                           exit_check=_exit_check(args))
     evaluations = dict(timing.evaluations)
     log = _StepLog(args, data)
+    ran = len(timing.losses)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
-        line = log.line(step, loss, ms, skipped, timing.loss_scales[step] if skipped else None)
+        line = log.line(step, loss, ms, skipped, timing.loss_scales[step] if skipped else None,
+                        stopping=timing.exit_reason is not None and step + 1 == ran)
         if line:
             print(line)
         done = args.first_step + step + 1
@@ -993,10 +996,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(_evaluation_line(done, evaluations[done]))
     if timing.test_loss is not None:
         print(_evaluation_line(args.first_step + args.steps, timing.test_loss, "test"))
-    if args.save:
-        last = save_path(args.save, args.first_step + args.steps)
-        print(f"saved the checkpoint to {last} (train --resume {last} continues from it)")
-    if args.trace:
+    _print_end(args, args.first_step + ran, timing.exit_reason)
+    if args.trace and timing.exit_reason is None:
         _write_trace(args, timing.timelines, pipe.simulation)
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
@@ -1029,6 +1030,31 @@ def _saves_at(args: argparse.Namespace, step: int) -> bool:
 
     return bool(args.save) and saves_after(args.first_step + step + 1, args.first_step + args.steps,
                                            args.save_interval)
+
+
+def _exit_check(args: argparse.Namespace) -> Any:
+    """--exit-interval, --exit-duration-in-mins and --exit-signal-handler as a `bench.ExitCheck`,
+    None without them."""
+    from octopipe.bench import ExitCheck
+
+    if args.exit_interval is None and args.exit_duration_in_mins is None and not args.exit_signal_handler:
+        return None
+    return ExitCheck(args.exit_interval, args.exit_duration_in_mins, args.exit_signal_handler)
+
+
+def _print_end(args: argparse.Namespace, done: int, stopped: str | None) -> None:
+    """The run's last lines: where it stopped early (--exit-*), why; where it saved, how to go on."""
+    from octopipe.bench import save_path
+
+    if stopped:
+        print(f"stopped after iteration {done} of {args.first_step + args.steps}: {stopped}"
+              + ("" if args.save else "; nothing saved (no --save)"), flush=True)
+        if args.trace:
+            print(f"note: train --trace: no trace written; it records the last step ({args.first_step + args.steps - 1}), "
+                  "which did not run", file=sys.stderr, flush=True)
+    if args.save:
+        last = save_path(args.save, done)
+        print(f"saved the checkpoint to {last} (train --resume {last} continues from it)", flush=True)
 
 
 def _saved_note(args: argparse.Namespace, step: int) -> str:
@@ -1147,17 +1173,19 @@ class _StepLog:
         self.skipped = 0
         self.scale: float | None = None
 
-    def line(self, step: int, loss: float, ms: float, skipped: bool, scale: float | None) -> str | None:
-        """Take step `step` (0-based in this run); the line to print, if one is due."""
+    def line(self, step: int, loss: float, ms: float, skipped: bool, scale: float | None,
+             stopping: bool = False) -> str | None:
+        """Take step `step` (0-based in this run); the line to print, if one is due. `stopping`:
+        the run stops after this step (--exit-*): the line is due, and the checkpoint is saved."""
         args = self.args
         self.losses.append(loss)
         self.times.append(ms)
         if skipped:
             self.skipped += 1
             self.scale = scale
-        if _saves_at(args, step):
+        if _saves_at(args, step) or (stopping and args.save):
             self.notes.append(_saved_note(args, step))
-        if (step + 1) % self.interval and step + 1 < args.steps:
+        if (step + 1) % self.interval and step + 1 < args.steps and not stopping:
             return None
         count, number = len(self.losses), args.first_step + step
         ms = sum(self.times) / count
@@ -1525,6 +1553,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     from octopipe.ir.plan import PipelinePlan
     from octopipe.runtime.amp import LossScaler
 
+    exit_check = _exit_check(args)
+    if exit_check is not None:  # (its clock, and a SIGTERM from now on stops the run after a step)
+        exit_check.start()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1615,6 +1646,7 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     step_ms = []
     log = _StepLog(args, data)
     traced: list[Any] = [()]
+    stopped = None
     for step in range(args.steps):
         if data is not None:  # (each replica its share of the step's batch)
             inputs, target = data.batch(step, engine.replicas.replica)
@@ -1633,12 +1665,14 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             optimizer.step()
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        done = args.first_step + step + 1
+        # (collective where it asks the time or a signal: every rank, after every step but the last)
+        stopped = exit_check.reason(done, device) if exit_check is not None and step + 1 < args.steps else None
         line = log.line(step, loss, step_ms[-1], engine.skipped_step,
-                        engine.loss_scaler.scale if engine.loss_scaler else None)
+                        engine.loss_scaler.scale if engine.loss_scaler else None, stopping=stopped is not None)
         if line and rank == 0:
             print(line, flush=True)
-        done = args.first_step + step + 1
-        if _saves_at(args, step):
+        if _saves_at(args, step) or (stopped and args.save):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, done), sharded=args.save_sharded, background=args.async_save,
                                    extra=loop_state(done, data, step + 1))
@@ -1646,12 +1680,14 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             loss = data.evaluate(engine)  # (collective)
             if rank == 0:
                 print(_evaluation_line(done, loss), flush=True)
-    if data is not None and data.test_batches:  # (collective)
+        if stopped:
+            break
+    if data is not None and data.test_batches and not stopped:  # (collective)
         loss = data.evaluate(engine, data.test, data.test_batches)
         if rank == 0:
             print(_evaluation_line(args.first_step + args.steps, loss, "test"), flush=True)
     engine.finish_checkpoint()  # (a background save's index: collective)
-    if args.trace:  # (collective: every rank's timeline to rank 0, which writes the file)
+    if args.trace and not stopped:  # (collective: every rank's timeline to rank 0, which writes the file)
         timelines: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(traced[0], timelines, dst=0)
         if first is not None and timelines is not None:
@@ -1660,9 +1696,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{_ms(first.simulation.iteration_ms)} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
-    if args.save and rank == 0:
-        last = save_path(args.save, args.first_step + args.steps)
-        print(f"saved the checkpoint to {last} (train --resume {last} continues from it)", flush=True)
+    if rank == 0:
+        _print_end(args, args.first_step + len(step_ms), stopped)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
     return EXIT_OK
 
@@ -1721,6 +1756,8 @@ def torchrun_command(args: argparse.Namespace) -> str:
                         ("--eval-iters", args.eval_iters), ("--eod-mask-loss", args.eod_mask_loss),
                         ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
+                        ("--exit-interval", args.exit_interval),
+                        ("--exit-duration-in-mins", args.exit_duration_in_mins),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
             words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
@@ -1743,6 +1780,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                                     ("--bf16-weights", args.bf16_weights), ("--fp16-weights", args.fp16_weights),
                                     ("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
                                     ("--save-sharded", args.save_sharded), ("--async-save", args.async_save),
+                                    ("--exit-signal-handler", args.exit_signal_handler),
                                     ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
@@ -2240,6 +2278,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "
                         "steps done (a file per save)")
+    p.add_argument("--exit-interval", type=_positive_int, default=None, metavar="N",
+                   help="stop after the first iteration divisible by N (counted on from a --resume checkpoint's), "
+                        "saving the checkpoint there with --save (Megatron's --exit-interval)")
+    p.add_argument("--exit-duration-in-mins", type=_positive_float, default=None, metavar="M",
+                   help="stop after the first step that ends M minutes after training began, saving the "
+                        "checkpoint there with --save; every rank stops after the same step (Megatron's flag)")
+    p.add_argument("--exit-signal-handler", action="store_true",
+                   help="on a SIGTERM (what a scheduler sends before it ends a job; torchrun passes it to every "
+                        "rank, and a local run to its processes), finish the step, save the checkpoint with --save "
+                        "and stop; every rank stops after the same step (Megatron's flag)")
     p.add_argument("--resume", metavar="CHECKPOINT", default=None,
                    help="continue from a checkpoint --save wrote (Megatron's --load): the whole state, the "
                         "optimizer's too, on any plan, rank or replica count; --init takes only its weights")

@@ -1664,6 +1664,95 @@ def test_train_split_evaluates_its_test_part_after_the_last_step(tmp_path, capsy
     assert re.findall(r"^test after 3 steps: loss ([\d.]+)  perplexity", proc.stdout, re.MULTILINE) == test
 
 
+@pytest.mark.timeout(300)
+def test_train_exit_interval_and_duration_stop_after_a_step_and_save_where_it_resumes(tmp_path, capsys):
+    # Megatron's --exit-interval / --exit-duration-in-mins: stop after a step, the checkpoint saved
+    # there; resumed, the run goes on as the uninterrupted one
+    from octopipe.runtime.materialize import saved_extra
+
+    train, _ = _token_files(tmp_path)
+    words = ["train", "--model", "llama", "--data", str(train), "--schedule", "1f1b", "--quiet", "--lr", "0.01",
+             "--optimizer", "adamw"]
+    assert main([*words, "--steps", "5"]) == EXIT_OK
+    whole, _ = _losses_and_evaluations(capsys.readouterr().out)
+    save = str(tmp_path / "a{step}.pt")
+    assert main([*words, "--steps", "5", "--exit-interval", "2", "--save", save, "--log-interval", "3"]) == EXIT_OK
+    out = capsys.readouterr().out
+    # the step lines up to the stop (the last a mean of the steps since the one before), no others
+    assert re.search(r"^step 1: loss [\d.]+ .*\(means of steps 0-1\)  \(saved to .*a2\.pt\)$", out, re.MULTILINE)
+    assert "step 2:" not in out and "stopped after iteration 2 of 5: iteration 2 is a multiple of --exit-interval 2" in out
+    assert f"saved the checkpoint to {tmp_path / 'a2.pt'}" in out and saved_extra(str(tmp_path / "a2.pt"), 0)["iteration"] == 2
+    assert not (tmp_path / "a5.pt").exists()
+    assert main([*words, "--steps", "3", "--resume", str(tmp_path / "a2.pt")]) == EXIT_OK
+    assert _losses_and_evaluations(capsys.readouterr().out)[0] == whole[2:]
+    # a duration already passed after the first step: every rank stops there
+    assert main([*words, "--steps", "5", "--exit-duration-in-mins", "1e-6"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert _losses_and_evaluations(out)[0] == whole[:1]
+    assert "stopped after iteration 1 of 5: 1e-06 minutes have passed (--exit-duration-in-mins); nothing saved" in out
+    assert main([*words, "--exit-interval", "3", "--exit-duration-in-mins", "30", "--exit-signal-handler",
+                 "--nprocs", "4", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--exit-interval 3 --exit-duration-in-mins 30.0" in line and "--exit-signal-handler" in line
+
+
+def _children(pid):
+    """The process ids whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_train_exit_signal_handler_saves_and_stops_on_sigterm_locally_and_under_torchrun(tmp_path):
+    # --exit-signal-handler: a SIGTERM (what a scheduler sends before it ends a job) to the local
+    # run's process, or to one torchrun rank, stops every rank after the same step, saved
+    import signal
+    import socket
+    import time
+
+    from octopipe.runtime.materialize import saved_extra
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    words = ["-m", "octopipe.cli", "train", "--model", "llama", "--schedule", "1f1b", "--quiet", "--steps", "3000",
+             "--exit-signal-handler"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    for launcher, cue, save in (([], "plan devices=", "local.pt"), (torchrun, "step 1: loss", "ranks.pt")):
+        proc = subprocess.Popen([sys.executable, *launcher, *words, "--save", save], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            lines = []
+            while not any(cue in line for line in lines):  # (the local run prints its steps at the end)
+                lines.append(proc.stdout.readline())
+                assert lines[-1] or proc.poll() is None, proc.stderr.read()[-3000:]
+            if not launcher:
+                time.sleep(4)  # its ranks started and training
+                proc.send_signal(signal.SIGTERM)
+            else:  # one rank only: the others hear of it from it
+                os.kill(min(_children(proc.pid)), signal.SIGTERM)
+            out, err = proc.communicate(timeout=200)
+        finally:
+            proc.kill()
+        out = "".join(lines) + out
+        assert proc.returncode == 0, err[-3000:]
+        stopped = re.search(r"^stopped after iteration (\d+) of 3000: a SIGTERM arrived \(--exit-signal-handler\)$",
+                            out, re.MULTILINE)
+        assert stopped and 1 <= int(stopped.group(1)) < 3000, out[-2000:]
+        assert f"saved the checkpoint to {save}" in out
+        assert saved_extra(str(tmp_path / save), 0)["iteration"] == int(stopped.group(1))
+
+
 def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
     # Megatron's --global-batch-size / --micro-batch-size size the step; --log-interval N prints
     # the means of every N steps; with token data each line gives the tokens trained on a second
