@@ -870,6 +870,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_data_flags(args)
     if args.trace and not args.torchrun:  # (before the training; a printed line's path is the cluster's)
         _writable(args.trace, "--trace")
+    if args.tensorboard_dir and not args.torchrun:  # (before the planning; the cluster's may have it)
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise OctopipeError("train --tensorboard-dir: needs the tensorboard package, which is not installed: pip "
+                                "install tensorboard (or octopipe[tensorboard])")
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
             raise OctopipeError(f"train --save {args.save}: is a folder; give a file name, or --save-sharded too "
@@ -974,6 +980,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(f"note: {note}", file=sys.stderr)
             if data.consumed:
                 print(f"data: resumed after the checkpoint's {data.consumed:,} sequences")
+    board = _Board(args, data)  # (its folder made before the training)
     timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
                            optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
                            init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
@@ -985,6 +992,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     evaluations = dict(timing.evaluations)
     log = _StepLog(args, data)
     ran = len(timing.losses)
+    schedule = _lr_schedule(args)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
         line = log.line(step, loss, ms, skipped, timing.loss_scales[step] if skipped else None,
@@ -992,10 +1000,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if line:
             print(line)
         done = args.first_step + step + 1
+        board.step(done, loss, ms, _step_lr(args, schedule, step),
+                   timing.loss_scales[step] if step < len(timing.loss_scales) else None)
         if done in evaluations:
             print(_evaluation_line(done, evaluations[done]))
+            board.evaluation(done, evaluations[done])
     if timing.test_loss is not None:
         print(_evaluation_line(args.first_step + args.steps, timing.test_loss, "test"))
+        board.evaluation(args.first_step + args.steps, timing.test_loss, "test")
+    board.close()
     _print_end(args, args.first_step + ran, timing.exit_reason)
     if args.trace and timing.exit_reason is None:
         _write_trace(args, timing.timelines, pipe.simulation)
@@ -1030,6 +1043,57 @@ def _saves_at(args: argparse.Namespace, step: int) -> bool:
 
     return bool(args.save) and saves_after(args.first_step + step + 1, args.first_step + args.steps,
                                            args.save_interval)
+
+
+class _Board:
+    """--tensorboard-dir: the run's scalars in TensorBoard event files, each at the iterations done
+    (1 after the first update; counted on from a --resume checkpoint's), under Megatron's names.
+    Without the flag every call does nothing."""
+
+    def __init__(self, args: argparse.Namespace, data: Any) -> None:
+        from octopipe.errors import OctopipeError
+
+        self.writer: Any = None
+        self.batch = float(data.train.global_batch if data is not None else args.batch_size * args.data_parallel)
+        if args.tensorboard_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise OctopipeError("train --tensorboard-dir: needs the tensorboard package, which is not installed: pip "
+                                "install tensorboard (or octopipe[tensorboard])") from None
+        try:
+            self.writer = SummaryWriter(args.tensorboard_dir)
+        except OSError as exc:
+            raise OctopipeError(f"train --tensorboard-dir {args.tensorboard_dir}: cannot write there ({exc}); give a "
+                                "folder this process can create files in") from None
+
+    def step(self, done: int, loss: float, ms: float, lr: float | None, scale: float | None) -> None:
+        if self.writer is None:
+            return
+        self.writer.add_scalar("lm loss", loss, done)
+        if lr is not None:
+            self.writer.add_scalar("learning-rate", lr, done)
+        self.writer.add_scalar("batch-size", self.batch, done)
+        self.writer.add_scalar("iteration-time", ms / 1e3, done)
+        if scale is not None:
+            self.writer.add_scalar("loss-scale", scale, done)
+
+    def evaluation(self, done: int, loss: float, which: str = "validation") -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(f"lm loss {which}", loss, done)
+            self.writer.add_scalar(f"lm loss {which} ppl", math.exp(min(loss, 20.0)), done)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _step_lr(args: argparse.Namespace, schedule: Any, step: int) -> float | None:
+    """The learning rate run step `step`'s update took (None: no update, --lr 0)."""
+    if not args.lr:
+        return None
+    return schedule(args.first_step + step) if schedule is not None else args.lr
 
 
 def _exit_check(args: argparse.Namespace) -> Any:
@@ -1571,8 +1635,10 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     data = _token_data(args, model, inputs, target, scan=False)
     plan_text: list[Any] = [None]
     first = None
+    board: Any = None
     if rank == 0:
         try:
+            board = _Board(args, data)
             if data is not None:  # (a pass over the files: on one rank, before any trains)
                 _scan(data)
             planning, costs = cluster, "profile" if args.profile else "analytic"
@@ -1672,6 +1738,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                         engine.loss_scaler.scale if engine.loss_scaler else None, stopping=stopped is not None)
         if line and rank == 0:
             print(line, flush=True)
+        if board is not None:
+            board.step(done, loss, step_ms[-1], _step_lr(args, schedule, step),
+                       engine.loss_scaler.scale if engine.loss_scaler else None)
         if _saves_at(args, step) or (stopped and args.save):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, done), sharded=args.save_sharded, background=args.async_save,
@@ -1680,12 +1749,16 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             loss = data.evaluate(engine)  # (collective)
             if rank == 0:
                 print(_evaluation_line(done, loss), flush=True)
+                board.evaluation(done, loss)
         if stopped:
             break
     if data is not None and data.test_batches and not stopped:  # (collective)
         loss = data.evaluate(engine, data.test, data.test_batches)
         if rank == 0:
             print(_evaluation_line(args.first_step + args.steps, loss, "test"), flush=True)
+            board.evaluation(args.first_step + args.steps, loss, "test")
+    if board is not None:
+        board.close()
     engine.finish_checkpoint()  # (a background save's index: collective)
     if args.trace and not stopped:  # (collective: every rank's timeline to rank 0, which writes the file)
         timelines: list[Any] | None = [None] * world_size if rank == 0 else None
@@ -1756,7 +1829,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                         ("--eval-iters", args.eval_iters), ("--eod-mask-loss", args.eod_mask_loss),
                         ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
-                        ("--exit-interval", args.exit_interval),
+                        ("--tensorboard-dir", args.tensorboard_dir), ("--exit-interval", args.exit_interval),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
         if value is not None:
@@ -2278,6 +2351,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "
                         "steps done (a file per save)")
+    p.add_argument("--tensorboard-dir", metavar="DIR", default=None,
+                   help="also write the run's scalars to TensorBoard event files in DIR, by iteration, under "
+                        "Megatron's names: lm loss, learning-rate, batch-size, iteration-time (s), loss-scale (fp16), "
+                        "lm loss validation / test and their ppl (needs the tensorboard package: pip install "
+                        "tensorboard; under torchrun rank 0 writes)")
     p.add_argument("--exit-interval", type=_positive_int, default=None, metavar="N",
                    help="stop after the first iteration divisible by N (counted on from a --resume checkpoint's), "
                         "saving the checkpoint there with --save (Megatron's --exit-interval)")

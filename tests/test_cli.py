@@ -1696,6 +1696,52 @@ def test_train_exit_interval_and_duration_stop_after_a_step_and_save_where_it_re
     assert "--exit-interval 3 --exit-duration-in-mins 30.0" in line and "--exit-signal-handler" in line
 
 
+def _board(folder):
+    """{tag: [(iteration, value)]} of the TensorBoard event files in `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.timeout(300)
+def test_train_tensorboard_dir_holds_the_printed_numbers_by_iteration(tmp_path, capsys, monkeypatch):
+    # Megatron's --tensorboard-dir: its scalar names, at the iterations done (counted on after a
+    # resume), the values the step and validation lines print; under torchrun rank 0 writes
+    train, valid = _token_files(tmp_path)
+    words = ["train", "--model", "llama", "--data", str(train), "--eval-data", str(valid), "--eval-iters", "1",
+             "--eval-interval", "2", "--schedule", "1f1b", "--quiet", "--optimizer", "adamw", "--lr", "0.01",
+             "--lr-warmup-iters", "2"]
+    assert main([*words, "--steps", "3", "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "a.pt")]) == EXIT_OK
+    losses, evaluations = _losses_and_evaluations(capsys.readouterr().out)
+    board = _board(tmp_path / "tb")
+    assert {"lm loss", "learning-rate", "batch-size", "iteration-time", "lm loss validation",
+            "lm loss validation ppl"} <= set(board) and "loss-scale" not in board
+    assert [step for step, _ in board["lm loss"]] == [1, 2, 3]
+    assert [value for _, value in board["lm loss"]] == pytest.approx(losses, abs=6e-6)
+    assert [value for _, value in board["learning-rate"]] == pytest.approx([0.0, 0.005, 0.01])  # the warm-up
+    assert {value for _, value in board["batch-size"]} == {8.0}
+    assert [step for step, _ in board["lm loss validation"]] == [2, 3]
+    assert [value for _, value in board["lm loss validation"]] == pytest.approx([evaluations[2], evaluations[3]], abs=6e-6)
+    # resumed under torchrun: rank 0 writes iterations 4 and 5
+    proc = _torchrun([*words, "--steps", "2", "--resume", "a.pt", "--tensorboard-dir", "tb2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = _board(tmp_path / "tb2")
+    assert [step for step, _ in resumed["lm loss"]] == [4, 5]
+    assert [value for _, value in resumed["lm loss"]] == pytest.approx(_losses_and_evaluations(proc.stdout)[0], abs=6e-6)
+    assert main([*words, "--tensorboard-dir", "/cluster/tb", "--nprocs", "4", "--torchrun"]) == EXIT_OK
+    assert "--tensorboard-dir /cluster/tb" in capsys.readouterr().out
+    # without the package: refused before planning, with the install line
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "tensorboard" else
+                        find_spec(name, *rest))
+    assert main([*words, "--steps", "1", "--tensorboard-dir", str(tmp_path / "tb3")]) == EXIT_ERROR
+    assert "needs the tensorboard package, which is not installed: pip install tensorboard" in capsys.readouterr().err
+
+
 def _children(pid):
     """The process ids whose parent is `pid` (Linux /proc)."""
     found = []
