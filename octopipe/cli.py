@@ -1998,7 +1998,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             eod = int(eod)
         except ValueError:
             raise OctopipeError(f"tokenize --eod {args.eod}: give a token id (an integer >= 0) or eos") from None
-    done = tokenize_files(args.inputs, args.output, tokenizer=args.tokenizer, eod=eod, json_key=args.json_key)
+    done = tokenize_files(args.inputs, args.output, tokenizer=args.tokenizer, eod=eod, json_key=args.json_key,
+                          workers=args.workers)
     raw = not args.output.endswith(".npy") and done.dtype != "uint16"
     print(f"tokenized {done.documents:,} document{'s' if done.documents != 1 else ''} into {done.tokens:,} {done.dtype} "
           f"tokens (a vocabulary of {done.vocab_size:,}) in {args.output}: train --data {args.output}"
@@ -2414,6 +2415,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="end each document with this token id, or eos for the tokenizer's end-of-sequence token "
                         "(Megatron's --append-eod)")
     p.add_argument("--json-key", default="text", help="the field of a .jsonl line that holds its text (default text)")
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                   help="tokenize in N processes, chunks of documents in order (Megatron's --workers; default 1, "
+                        "where a Hugging Face fast tokenizer already runs each chunk on every core)")
     p.set_defaults(run=cmd_tokenize)
 
     p = sub.add_parser("checkpoint", help="show what a checkpoint (file or sharded directory) holds, or write it as "

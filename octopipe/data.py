@@ -575,10 +575,11 @@ def read_documents(path: str | os.PathLike[str], json_key: str = "text") -> Iter
 
 
 def _tokenizer(name: str) -> tuple[Any, int, int | None]:
-    """(text -> ids, vocabulary size, end-of-document id or None) for `name`: "byte", or a
-    Hugging Face tokenizer's name or folder."""
+    """(a list of texts -> their id arrays, vocabulary size, end-of-document id or None) for
+    `name`: "byte", or a Hugging Face tokenizer's name or folder (its batch call, which a fast
+    tokenizer runs on every core)."""
     if name == BYTE_TOKENIZER:
-        return (lambda text: list(text.encode("utf-8"))), 256, None
+        return _byte_ids, 256, None
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -589,18 +590,61 @@ def _tokenizer(name: str) -> tuple[Any, int, int | None]:
     except (OSError, ValueError) as exc:
         raise DataError(f"tokenize --tokenizer {name}: cannot load it ({str(exc).splitlines()[0][:200]}); give a "
                         "folder holding the tokenizer's files, or a name in the local Hugging Face cache") from None
-    return ((lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]), len(tokenizer),
-            tokenizer.eos_token_id)
+
+    backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+    batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        if batch is not None:  # (a fast tokenizer's own batch call: every core, without the offsets)
+            return [np.asarray(encoding.ids, dtype=np.int64) for encoding in batch(texts, add_special_tokens=False)]
+        return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return encode, len(tokenizer), tokenizer.eos_token_id
+
+
+def _byte_ids(texts: list[str]) -> list[np.ndarray]:
+    return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
+
+TOKENIZE_CHUNK = 256
+"""Documents `tokenize_files` hands its tokenizer (or a worker) at once."""
+
+_WORKER_ENCODE: list[Any] = []
+"""A `tokenize --workers` process's tokenizer (`_start_worker`)."""
+
+
+def _start_worker(name: str) -> None:
+    _WORKER_ENCODE[:] = [_tokenizer(name)[0]]
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _WORKER_ENCODE[0](texts)
+
+
+def _chunks(inputs: Sequence[str | os.PathLike[str]], json_key: str) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for path in inputs:
+        for text in read_documents(path, json_key):
+            chunk.append(text)
+            if len(chunk) == TOKENIZE_CHUNK:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
 
 
 def tokenize_files(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
                    tokenizer: str = BYTE_TOKENIZER, eod: int | str | None = None,
-                   json_key: str = "text") -> TokenizedFiles:
+                   json_key: str = "text", workers: int = 1) -> TokenizedFiles:
     """Write the documents of `inputs` (`read_documents`) as one stream of token ids to `output`,
     raw (`.bin`, or any suffix but `.npy`) or a NumPy array (`.npy`): uint16 where the vocabulary
     fits, else uint32. `eod`: an id to end each document with, or "eos" for the tokenizer's
     end-of-sequence token (the byte tokenizer has none). What `train --data` reads (Megatron's
-    preprocess_data.py does the same for its own format)."""
+    preprocess_data.py does the same for its own format). `workers` > 1: that many processes
+    tokenize chunks of documents, in order (Megatron's --workers); the file is written as they
+    come, never held whole (a `.npy`'s header is written once the count is known)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ArgumentError(f"tokenize --workers {workers!r}: give a count of processes >= 1")
     encode, vocab, eos = _tokenizer(tokenizer)
     if eod == "eos":
         if eos is None:
@@ -609,25 +653,37 @@ def tokenize_files(inputs: Sequence[str | os.PathLike[str]], output: str | os.Pa
         eod = eos
     if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
         raise ArgumentError(f"tokenize --eod {eod!r}: give a token id (an integer >= 0) or eos")
-    dtype = np.uint16 if max(vocab, (eod or 0) + 1) <= 1 << 16 else np.uint32
+    dtype = np.dtype(np.uint16 if max(vocab, (eod or 0) + 1) <= 1 << 16 else np.uint32)
+    end = np.asarray([eod] if eod is not None else [], dtype=dtype)
     output = Path(output)
     partial = output.with_name(output.name + ".partial")  # (renamed into place when whole)
+    raw = output.with_name(output.name + ".ids") if output.suffix == ".npy" else partial
     documents = tokens = 0
-    parts: list[np.ndarray] = []
+    pool = None
     try:
-        with open(partial, "wb") as stream:
-            for path in inputs:
-                for text in read_documents(path, json_key):
-                    ids = np.asarray(list(encode(text)) + ([eod] if eod is not None else []), dtype=np.int64)
+        if workers > 1:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer,))
+            encoded: Iterator[list[np.ndarray]] = pool.imap(_encode_in_worker, _chunks(inputs, json_key))
+        else:
+            encoded = map(encode, _chunks(inputs, json_key))
+        with open(raw, "wb") as stream:
+            for chunk in encoded:
+                for ids in chunk:
+                    stream.write(np.concatenate([ids.astype(dtype), end]).tobytes())
                     documents += 1
-                    tokens += len(ids)
-                    if output.suffix == ".npy":
-                        parts.append(ids.astype(dtype))  # (an array's header needs its length first)
-                    else:
-                        stream.write(ids.astype(dtype).tobytes())
-            if output.suffix == ".npy":
-                np.save(stream, np.concatenate(parts) if parts else np.zeros(0, dtype))
+                    tokens += len(ids) + len(end)
+        if raw != partial:  # a .npy: its header, then the ids copied in pieces
+            with open(partial, "wb") as stream, open(raw, "rb") as ids_file:
+                header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (tokens,)}
+                np.lib.format.write_array_header_1_0(stream, header)
+                while piece := ids_file.read(1 << 24):
+                    stream.write(piece)
         os.replace(partial, output)
     finally:
+        if pool is not None:
+            pool.terminate()
         partial.unlink(missing_ok=True)
-    return TokenizedFiles(documents, tokens, np.dtype(dtype).name, max(vocab, (eod or 0) + 1))
+        raw.unlink(missing_ok=True)
+    return TokenizedFiles(documents, tokens, dtype.name, max(vocab, (eod or 0) + 1))

@@ -209,6 +209,19 @@ def test_tokenize_writes_what_train_reads(tmp_path):
         tokenize_files([tmp_path / "junk.jsonl"], tmp_path / "x.bin")
     with pytest.raises(DataError, match="byte tokenizer has no end-of-sequence token"):
         tokenize_files([tmp_path / "a.txt"], tmp_path / "x.bin", eod="eos")
+    # in worker processes (Megatron's --workers), chunks of documents in order: the same stream,
+    # in a .npy too (written as it comes, its header once the count is known)
+    import octopipe.data
+
+    (tmp_path / "many.jsonl").write_text("".join(f'{{"text": "doc {k} é"}}\n' for k in range(700)), encoding="utf-8")
+    one = tokenize_files([tmp_path / "many.jsonl", tmp_path / "a.txt"], tmp_path / "one.npy", eod=3)
+    two = tokenize_files([tmp_path / "many.jsonl", tmp_path / "a.txt"], tmp_path / "two.npy", eod=3, workers=2)
+    assert one == two and one.documents == 701 and one.tokens > 700 * octopipe.data.TOKENIZE_CHUNK // 100
+    assert np.load(tmp_path / "two.npy").tolist() == np.load(tmp_path / "one.npy").tolist()
+    assert np.load(tmp_path / "one.npy").tolist()[:9] == list(b"doc 0 \xc3\xa9") + [3]
+    assert sorted(path.name for path in tmp_path.iterdir() if "one.npy" in path.name) == ["one.npy"]  # no leftovers
+    with pytest.raises(ArgumentError, match="tokenize --workers 0: give a count of processes >= 1"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "x.bin", workers=0)
 
 
 def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
@@ -229,6 +242,8 @@ def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
     small = saved({"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}, "small")
     done = tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "out.bin", tokenizer=small, eod="eos")
     assert token_stream(tmp_path / "out.bin").tolist() == [2, 3, 1, 3, 1] and done.vocab_size == 4
+    assert tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "two.bin", tokenizer=small, eod="eos", workers=2) == done
+    assert token_stream(tmp_path / "two.bin").tolist() == [2, 3, 1, 3, 1]
     # a vocabulary over 65,536 ids: uint32, which train reads with --data-dtype uint32
     large = saved({"[UNK]": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(70_000)}, "world": 70_002}, "large")
     done = tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "big.bin", tokenizer=large)
