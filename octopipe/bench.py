@@ -219,27 +219,44 @@ def resume_keeping_settings(engine: Any, optimizer: Any, path: str,
     """`engine.load_checkpoint(path)` (its `extra` returned), the optimizer then stepping with
     this run's settings (learning rate, weight decay, betas, eps, momentum), not the ones the
     checkpoint's param groups bring back (`Optimizer.load_state_dict` restores those), and a note
-    naming those that differ, None where none does: a flag given to a resumed run is not dropped.
+    naming those that differ and whether the parameters were grouped otherwise, None where
+    nothing did: a flag given to a resumed run is not dropped. Every rank calls it (the note is
+    agreed over all of them: a sharded optimizer's ranks hold different parameters).
     `scheduled`: a schedule sets the learning rate before every update, so it is left out."""
+    import torch.distributed as dist
+
     built = [{key: value for key, value in group.items() if key != "params"}
              for group in (optimizer.param_groups if optimizer is not None else [])]
     extra = engine.load_checkpoint(path)
-    changed: dict[str, tuple[Any, Any]] = {}
+    kept = [key for key in SETTINGS if not (scheduled and key == "lr")]
     if optimizer is not None:
         for group, settings in zip(optimizer.param_groups, built):
-            for key, value in settings.items():
-                if key in SETTINGS and group.get(key) != value and not (scheduled and key == "lr"):
-                    changed.setdefault(key, (group.get(key), value))
-                    group[key] = value
-    regrouped = ("the run that saved it grouped the parameters otherwise (--weight-decay makes two groups: decay "
-                 "and none), so every parameter's optimizer state was loaded by its name"
-                 if getattr(engine, "optimizer_note", None) else "")
+            group.update({key: value for key, value in settings.items() if key in kept})
+    load = getattr(engine, "optimizer_load", None)
+    local = (bool(load is not None and load.regrouped),
+             [(key, pair) for key, pairs in (load.differences if load is not None else ()) if key in kept
+              for pair in pairs])
+    everyone = [local]
+    if dist.is_available() and dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    regrouped = any(flag for flag, _ in everyone)
+    changed: dict[str, tuple[list[Any], list[Any]]] = {}
+    for _, pairs in everyone:
+        for key, (saved, own) in pairs:
+            olds, news = changed.setdefault(key, ([], []))
+            olds.extend([saved] if saved not in olds else [])
+            news.extend([own] if own not in news else [])
+    grouping = ("the run that saved it grouped the parameters otherwise (--weight-decay makes two groups: decay "
+                "and none), so every parameter's optimizer state was loaded by its name" if regrouped else "")
     if not changed:
-        return extra, f"--resume {path}: {regrouped}" if regrouped else None
-    return extra, (f"--resume {path}: its optimizer stepped with " + ", ".join(f"{key} {old}" for key, (old, _) in
-                                                                            changed.items())
-                   + "; this run steps with " + ", ".join(f"{key} {new}" for key, (_, new) in changed.items())
-                   + " (its flags; give the saved run's to go on as it did)" + (f"; {regrouped}" if regrouped else ""))
+        return extra, f"--resume {path}: {grouping}" if grouping else None
+
+    def listed(which: int) -> str:
+        return ", ".join(f"{key} {' and '.join(map(str, values[which]))}" for key, values in changed.items())
+
+    return extra, (f"--resume {path}: its optimizer stepped with {listed(0)}; this run steps with {listed(1)} (its "
+                   "flags; give the saved run's to go on as it did)" + (f"; {grouping}" if grouping else ""))
 
 
 def loop_state(iteration: int, data: Any = None, steps: int = 0) -> dict[str, Any]:

@@ -115,6 +115,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -469,9 +470,9 @@ class Engine:
                                 "master copies, but the model's weights are bf16 or fp32 and autocast is "
                                 f"{self.autocast} (no loss scaling needed); leave loss_scaler out")
         self.optimizer: torch.optim.Optimizer | None = None
-        self.optimizer_note: str | None = None
-        """After `load_state_dict` / `load_checkpoint`: where the saved optimizer grouped the
-        parameters otherwise, a note saying how its state was loaded (`load_optimizer_state`)."""
+        self.optimizer_load: OptimizerLoad | None = None
+        """After `load_state_dict` / `load_checkpoint` with optimizer state: what differed between the
+        saved optimizer and this one (`load_optimizer_state`)."""
         self.timeline: list[tuple[Instruction, float, float]] | None = None
         """Set to a list to record (instruction, start s, end s) of every instruction of each step
         (perf_counter seconds): the measured timeline, for calibration and diagnosis. A compute
@@ -1504,7 +1505,7 @@ class Engine:
                     value = saved_rows(value, state["optimizer"]["state"][name], rows, f"{where}: {name!r}")
                 master.copy_(value)
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer_note = load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
+            self.optimizer_load = load_optimizer_state(self.optimizer, self._optimizer_named(), state["optimizer"],
                                                        where, self._split)
         elif "optimizer" in state and self._params:
             warnings.warn(f"rank {self.rank}: load_state_dict: the state holds optimizer state but this engine has no "
@@ -1799,9 +1800,26 @@ def saved_master(state: Mapping[str, Any], name: str) -> Tensor | None:
     return entry.get(MASTER_KEY) if isinstance(entry, Mapping) else None
 
 
+@dataclass(frozen=True)
+class OptimizerLoad:
+    """What `load_optimizer_state` found: whether the optimizer groups its parameters otherwise
+    than the saved one did, and each setting whose saved value differs from the optimizer's own
+    for some parameter, as (saved, own) pairs."""
+
+    regrouped: bool = False
+    differences: tuple[tuple[str, tuple[tuple[Any, Any], ...]], ...] = ()
+
+    def note(self, where: str) -> str | None:
+        parts = (["the saved optimizer grouped its parameters otherwise: each parameter's state was loaded by its "
+                  "name"] if self.regrouped else [])
+        parts += [f"{key} " + ", ".join(f"{saved} (now {own})" for saved, own in pairs)
+                  for key, pairs in self.differences]
+        return f"{where}: " + "; saved ".join(parts) if parts else None
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Mapping[str, nn.Parameter],
                          state: Mapping[str, Any], where: str = "load_optimizer_state",
-                         split: Mapping[str, tuple[int, int, int]] | None = None) -> str | None:
+                         split: Mapping[str, tuple[int, int, int]] | None = None) -> OptimizerLoad:
     """Load a named optimizer state (a shard or merged) into an optimizer over `named_parameters`
     (a master copy's values saved beside an entry are not the optimizer's: `load_state_dict`
     and `load_into_model` take them). `split`: name -> (first row, end row, rows) for each
@@ -1812,17 +1830,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
     otherwise than the saved one did (`train --weight-decay` makes two groups, where a run
     without it had one): a group whose parameters were all in one saved group takes that group's
     settings (lr, weight decay, ...: what `Optimizer.load_state_dict` restores), a group of
-    parameters from several keeps its own. Returns a note saying so where the groups differ,
-    else None."""
+    parameters from several keeps its own. Returns what differed (`OptimizerLoad`): the grouping
+    (a group of parameters from several saved groups, or a saved group's parameters in several
+    groups here; a group left out for having no parameters is no difference), and the settings
+    each parameter's saved group held against the optimizer's own before the load."""
     split = split or {}
     name_of = {id(p): name for name, p in named_parameters.items()}
     check_optimizer_class(state, optimizer, where)
     groups = state["param_groups"]
     saved_group = {name: index for index, group in enumerate(groups) for name in group.get("params", ())}
-    regrouped = len(groups) != len(optimizer.param_groups)
     raw_state: dict[int, Any] = {}
     raw_groups = []
     position = 0
+    mixed = False
+    owner_of_group: list[int | None] = []
+    differences: dict[str, list[tuple[Any, Any]]] = {}
     for index, group in enumerate(optimizer.param_groups):
         positions = []
         names = [None if getattr(param, _STAND_IN, False) else name_of[id(param)] for param in group["params"]]
@@ -1833,20 +1855,25 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named_parameters: Map
                                        for key, value in entry.items() if key not in (MASTER_KEY, ROWS_KEY)}
             positions.append(position)
             position += 1
-        owners = {saved_group[name] for name in names if name in saved_group}
-        if len(owners) > 1 or (not owners and regrouped):  # (its own settings)
-            settings = {k: v for k, v in group.items() if k != "params"}
-            regrouped = True
-        else:
-            settings = {k: v for k, v in groups[owners.pop() if owners else index].items() if k != "params"}
+        own = {k: v for k, v in group.items() if k != "params"}
+        owners = sorted({saved_group[name] for name in names if name in saved_group})
+        for owner in owners:
+            for key, value in groups[owner].items():
+                if key != "params" and key in own and value != own[key] and (value, own[key]) not in differences.get(key, []):
+                    differences.setdefault(key, []).append((value, own[key]))
+        mixed |= len(owners) > 1
+        owner_of_group.append(owners[0] if len(owners) == 1 else None)
+        if len(owners) == 1:
+            settings = {k: v for k, v in groups[owners[0]].items() if k != "params"}
+        elif not owners and len(groups) == len(optimizer.param_groups):  # (no named parameter: by position)
+            settings = {k: v for k, v in groups[index].items() if k != "params"}
+        else:  # parameters of several saved groups (or none): its own settings
+            settings = own
         raw_groups.append({**settings, "params": positions})
     optimizer.load_state_dict({"state": raw_state, "param_groups": raw_groups})
-    if not regrouped:
-        return None
-    return (f"{where}: the saved optimizer grouped its parameters in {len(groups)} param group"
-            f"{'s' if len(groups) != 1 else ''}, this one in {len(optimizer.param_groups)}: every parameter's state was "
-            "loaded by its name, and each group took the saved settings of its parameters' group where they shared "
-            "one, else kept its own")
+    owned = [owner for owner in owner_of_group if owner is not None]
+    return OptimizerLoad(mixed or len(owned) != len(set(owned)),
+                         tuple((key, tuple(pairs)) for key, pairs in differences.items()))
 
 
 SHARDED_INDEX = "octopipe-checkpoint.json"

@@ -40,8 +40,10 @@ def test_an_optimizer_grouped_otherwise_loads_each_parameters_state_by_name():
     state = named_optimizer_state(one, named)
     two = torch.optim.AdamW([{"params": [vector], "weight_decay": 0.0}, {"params": [matrix], "weight_decay": 0.3}],
                             lr=0.2)
-    note = load_optimizer_state(two, named, state, "here")
-    assert note is not None and "in 1 param group, this one in 2: every parameter's state was loaded by its name" in note
+    loaded = load_optimizer_state(two, named, state, "here")
+    assert loaded.regrouped  # (the saved group's parameters now in two)
+    assert dict(loaded.differences) == {"lr": ((0.1, 0.2),), "weight_decay": ((0.05, 0.0), (0.05, 0.3))}
+    assert "here: the saved optimizer grouped its parameters otherwise" in loaded.note("here")
     for param in (matrix, vector):
         assert torch.equal(two.state[param]["exp_avg"], one.state[param]["exp_avg"])
         assert torch.equal(two.state[param]["exp_avg_sq"], one.state[param]["exp_avg_sq"])
@@ -50,10 +52,15 @@ def test_an_optimizer_grouped_otherwise_loads_each_parameters_state_by_name():
     two.param_groups[0]["weight_decay"], two.param_groups[1]["weight_decay"] = 0.0, 0.3
     saved_two = named_optimizer_state(two, named)
     back = torch.optim.AdamW([matrix, vector], lr=0.7, weight_decay=0.01)
-    assert "in 2 param groups, this one in 1" in load_optimizer_state(back, named, saved_two, "here")
+    loaded = load_optimizer_state(back, named, saved_two, "here")
+    assert loaded.regrouped and dict(loaded.differences)["weight_decay"] == ((0.0, 0.01), (0.3, 0.01))
     assert back.param_groups[0]["weight_decay"] == 0.01  # parameters of two saved groups: its own settings
     assert torch.equal(back.state[vector]["exp_avg"], two.state[vector]["exp_avg"])
-    # the same groups (in another order): the saved group of each parameter, no note
-    swapped = torch.optim.AdamW([{"params": [matrix]}, {"params": [vector]}], lr=0.5)
-    assert load_optimizer_state(swapped, named, saved_two, "here") is None
-    assert [g["weight_decay"] for g in swapped.param_groups] == [0.3, 0.0]
+    # the same groups (in another order), or a group left out for holding no parameter here (a
+    # sharded optimizer's rank): the saved group of each parameter, not a regrouping
+    swapped = torch.optim.AdamW([{"params": [matrix]}, {"params": [vector]}], lr=0.1)
+    loaded = load_optimizer_state(swapped, named, saved_two, "here")
+    assert not loaded.regrouped and [g["weight_decay"] for g in swapped.param_groups] == [0.3, 0.0]
+    matrices_only = torch.optim.AdamW([{"params": [matrix], "weight_decay": 0.3}], lr=0.1)
+    loaded = load_optimizer_state(matrices_only, {"m": matrix}, saved_two, "here")
+    assert not loaded.regrouped and loaded.differences == () and loaded.note("here") is None
