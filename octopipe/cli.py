@@ -1249,7 +1249,8 @@ class _StepLog:
             self.scale = scale
         if _saves_at(args, step) or (stopping and args.save):
             self.notes.append(_saved_note(args, step))
-        if (step + 1) % self.interval and step + 1 < args.steps and not stopping:
+        # (a window ends at an iteration divisible by N, counted on after a resume, as Megatron's)
+        if (args.first_step + step + 1) % self.interval and step + 1 < args.steps and not stopping:
             return None
         count, number = len(self.losses), args.first_step + step
         ms = sum(self.times) / count
@@ -1829,6 +1830,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                         ("--eval-iters", args.eval_iters), ("--eod-mask-loss", args.eod_mask_loss),
                         ("--trace", args.trace),
                         ("--resume", args.resume), ("--save", args.save), ("--save-interval", args.save_interval),
+                        ("--log-interval", args.log_interval),
                         ("--tensorboard-dir", args.tensorboard_dir), ("--exit-interval", args.exit_interval),
                         ("--exit-duration-in-mins", args.exit_duration_in_mins),
                         ("--cluster", args.cluster), ("--time-limit", args.time_limit), ("--effort", args.effort)):
@@ -2214,8 +2216,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write a Chrome / Perfetto trace of the last step as it ran: every rank's ops and messages "
                         "(ms from the step's start on each rank), beside the plan's predicted step")
     p.add_argument("--log-interval", type=_positive_int, default=None, metavar="N",
-                   help="print a step line every N steps (and after the last), its loss and time the means over "
-                        "them (Megatron's --log-interval; default 1)")
+                   help="print a step line after every iteration divisible by N (counted on from a --resume "
+                        "checkpoint's) and after the last, its loss and time the means over the steps since the line "
+                        "before (Megatron's --log-interval; default 1)")
     p.add_argument("--data", metavar="FILE", nargs="+", default=None,
                    help="train on the token ids in FILE instead of the model's one example batch: a raw binary "
                         "stream (uint16 unless --data-dtype, as Megatron's and nanoGPT's preprocessing write) or a "

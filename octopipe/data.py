@@ -371,11 +371,15 @@ class BlendedBatches:
 def split_samples(total: int, weights: Sequence[float], what: str = "--split") -> list[tuple[int, int]]:
     """Cut `total` sequences into consecutive ranges [start, stop) in proportion to `weights`
     (Megatron's --split 949,50,1: training, validation, test), each boundary rounded to the
-    nearest sequence. Refuses a weight that is negative, or a training or validation range that
-    comes out empty where its weight is not zero (a test part, never read, may)."""
+    nearest sequence. Refuses a weight that is negative, a training weight of zero, or a training
+    or validation range that comes out empty where its weight is not zero (a test part may: one
+    under a batch is named and not evaluated)."""
     if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ArgumentError(f"{what} {','.join(f'{w:g}' for w in weights)}: give non-negative weights, not all zero "
                             "(e.g. 98,2: 98% to training, 2% to validation)")
+    if weights[0] == 0:
+        raise ArgumentError(f"{what} {','.join(f'{w:g}' for w in weights)}: leaves no training part; give training "
+                            "the first, non-zero weight (e.g. 98,2: 98% to training, 2% to validation)")
     ranges, start, done = [], 0, 0.0
     for weight in weights:
         done += weight

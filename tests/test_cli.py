@@ -1599,6 +1599,7 @@ def test_train_data_refusals(tmp_path, capsys):
             (["--data", str(train), "--split", "1,0,1", "--eval-interval", "2"],
              "--split 1,0,1 leaves no validation part"),
             (["--data", str(train), "--split", "1000,1"], "--split \\(of .*train.bin\\) 1000,1: 187 sequences leave part 2 none"),
+            (["--data", str(train), "--split", "0,50,50"], "--split \\(of .*train.bin\\) 0,50,50: leaves no training part"),
             (["--split", "98,2"], "train --split: applies to --data FILE")):
         assert main(["train", "--model", "llama", "--steps", "1", "--quiet", *extra]) == EXIT_ERROR, extra
         assert re.search(error, capsys.readouterr().err), (extra, error)
@@ -1815,9 +1816,17 @@ def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):
     assert lines[0].endswith("(means of steps 0-1)") and "(means" not in lines[2]
     means = [float(line.split()[3]) for line in lines]
     assert means == pytest.approx([(each[0] + each[1]) / 2, (each[2] + each[3]) / 2, each[4]], abs=2e-5)
+    # resumed after 3 iterations, the windows still end at iterations divisible by N (Megatron's)
+    assert main([*words, "--steps", "3", "--save", str(tmp_path / "l.pt")]) == EXIT_OK
+    capsys.readouterr()
+    assert main([*words, "--steps", "4", "--resume", str(tmp_path / "l.pt"), "--log-interval", "2"]) == EXIT_OK
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 3", "step 5", "step 6"]
+    assert "(means" not in lines[0] and lines[1].endswith("(means of steps 4-5)")
     assert main(["train", "--model", "llama", "--global-batch-size", "32", "--micro-batch-size", "2",
-                 "--data-parallel", "2", "--nprocs", "4", "--torchrun"]) == EXIT_OK
-    assert "--batch-size 16 --microbatches 8" in capsys.readouterr().out
+                 "--data-parallel", "2", "--nprocs", "4", "--log-interval", "2", "--torchrun"]) == EXIT_OK
+    line = capsys.readouterr().out
+    assert "--batch-size 16 " in line and "--microbatches 8" in line and "--log-interval 2" in line
     for extra, error in ((["--global-batch-size", "8"], "give --micro-batch-size too"),
                          (["--micro-batch-size", "2"], "give --global-batch-size too"),
                          (["--global-batch-size", "8", "--micro-batch-size", "3"],
