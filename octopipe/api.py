@@ -1002,7 +1002,9 @@ def compile(
     batch's count instead of equally; with a token-mean loss_fn and the count of tokens it
     averages (`lambda t: (t != -100).sum()` for cross_entropy's ignore_index), the step's loss and
     gradients are the token mean over the whole batch, as in plain training (Megatron's
-    per-token loss). Computed from the target on the loss stage's rank each step.
+    per-token loss). Computed from the target on the loss stage's rank each step. A batch whose
+    count is 0 everywhere (every token ignored) gives a nan loss and zero gradients, as plain
+    training's mean over no token does.
     autocast: None, "bf16" (torch.bfloat16) or "fp16" (torch.float16, with dynamic loss scaling as
     GradScaler does it, across ranks): mixed precision, every stage's forward under torch.autocast
     as plain autocast training runs it (fp32 parameters and gradients; tensors cross stages in

@@ -515,7 +515,9 @@ class TrainingData:
         # replica's share, which each rank reads for itself)
         counts = [sum(int((self.masked(*tokens.batch(k, r))[1] != IGNORE_INDEX).sum()) for r in range(tokens.replicas))
                   for k in range(batches)]
-        return sum(loss * count for loss, count in zip(losses, counts)) / sum(counts)
+        if not any(counts):  # (every target masked: a mean over nothing)
+            return float("nan")
+        return sum(loss * count for loss, count in zip(losses, counts) if count) / sum(counts)
 
     @property
     def test_batches(self) -> int:

@@ -1531,6 +1531,19 @@ def test_train_eod_mask_loss_equals_plain_training_on_the_token_mean_of_the_unma
         means = [models.lm_loss(logits[k:k + 2], target[k:k + 2]).item() for k in range(0, 8, 2)]
         assert len({int((target[k:k + 2] != -100).sum()) for k in range(0, 8, 2)}) > 1
         assert abs(sum(means) / 4 - models.lm_loss(logits, target).item()) > 1e-4
+    # a validation batch of only ends counts for nothing (the mean over the others' targets); a
+    # training batch of only ends has a nan loss and no gradient, as in plain training
+    import numpy as np
+
+    tokens = np.fromfile(valid, dtype=np.uint16)
+    tokens[8 * 32:16 * 32 + 1] = 255  # (validation batch 1 all ends)
+    tokens.tofile(tmp_path / "ends.bin")
+    np.full(2000, 255, dtype=np.uint16).tofile(tmp_path / "all-ends.bin")
+    assert main([*words[:words.index("--eval-data")], "--eval-data", str(tmp_path / "ends.bin"),
+                 *words[words.index("--eval-data") + 2:], "--steps", "1", "--eval-iters", "2"]) == EXIT_OK
+    assert re.search(r"^validation after 1 step: loss \d\.\d+  perplexity", capsys.readouterr().out, re.MULTILINE)
+    assert main([*words[:4], str(tmp_path / "all-ends.bin"), *words[5:], "--steps", "2"]) == EXIT_OK
+    assert re.findall(r"^step \d: loss (\S+)", capsys.readouterr().out, re.MULTILINE) == ["nan", "nan"]
     # an id the files never hold is named; the torchrun line carries the flag
     assert main([*words[:-1], "254", "--steps", "1"]) == EXIT_OK
     assert f"--eod-mask-loss 254: {train} never holds token 254, so nothing is masked there" in capsys.readouterr().err

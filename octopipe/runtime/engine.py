@@ -163,12 +163,13 @@ def microbatch_weights(loss_weight: Callable[[Tensor], Any], target: Tensor, cou
     """Each microbatch's weight in the step's loss: its `loss_weight` count over the batch's. A
     token-mean loss weighted so is the token mean over the whole batch (each microbatch's mean
     times its share of the tokens). `total_of(this batch's count)`: the count to divide by
-    instead (data parallelism: the sum over every replica's batch)."""
+    instead (data parallelism: the sum over every replica's batch). A batch whose count is 0
+    everywhere gets weights of 0 (`Engine` then reports a nan loss, as a mean over nothing is,
+    and zero gradients)."""
     counts = microbatch_counts(loss_weight, target, count, where)
     total = sum(counts) if total_of is None else total_of(sum(counts))
     if total <= 0:
-        raise ArgumentError(f"{where}: loss_weight is 0 on every microbatch of this batch ({count}), so no "
-                            "microbatch's loss counts (every token ignored?); skip such a batch")
+        return [0.0] * len(counts)
     return [value / total for value in counts]
 
 
@@ -1019,6 +1020,8 @@ class Engine:
                                     f"but got no target: call {call[:-2]}(inputs, target)")
             self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}",
                                                self._total_over_replicas if replicas > 1 else None)
+            if not any(self._weights):  # no target counts anywhere: the loss is nan (every rank's, once summed)
+                self._loss_sum += float("nan")
         # a tied gradient is all-reduced (every gradient, with replicas; and with fp16 every one is
         # unscaled): set aside what earlier steps accumulated, so only this step's contributions
         # are summed across ranks and unscaled (added back at `step`)

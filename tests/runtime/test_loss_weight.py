@@ -132,14 +132,23 @@ def test_compile_refuses_a_loss_weight_that_is_not_a_count(loss_weight, message)
                          num_microbatches=4, schedule="1f1b", loss_weight=loss_weight, quiet=True)
 
 
-def test_a_batch_without_any_weight_is_refused_at_step():
+def test_a_batch_without_any_weight_has_a_nan_loss_and_no_gradient():
+    # every token ignored: plain training's mean over no token is nan, its gradients zero (since
+    # stop 48; it was refused, which ended a --eod-mask-loss run at a batch of only ends)
     tokens, target = _batch()
     pipe = octopipe.compile(TinyLM(), octopipe.ClusterSpec.preset("cpu", num_devices=1), example_inputs=(tokens,),
                             example_target=target, loss_fn=token_loss, num_microbatches=4, schedule="1f1b",
                             loss_weight=real_tokens, quiet=True)
     engine = pipe.engine(0)
-    with pytest.raises(ArgumentError, match="0 on every microbatch"):
-        engine.step((tokens,), torch.full_like(target, IGNORE))
+    ignored = torch.full_like(target, IGNORE)
+    loss = engine.step((tokens,), ignored)
+    assert loss != loss and all(p.grad is None or not p.grad.any() for _, p in engine.named_parameters())
+    model = TinyLM()
+    plain = token_loss(model(tokens), ignored)
+    plain.backward()
+    assert plain.item() != plain.item() and not any(p.grad.any() for p in model.parameters())
+    assert engine.evaluate((tokens,), ignored) != engine.evaluate((tokens,), ignored)
+    assert engine.step((tokens,), target) == engine.step((tokens,), target)  # (the next batch as before)
     with pytest.raises(ArgumentError, match="no target"):
         engine.step((tokens,))
 
