@@ -327,7 +327,7 @@ class ExitCheck:
 
     def start(self) -> ExitCheck:
         """Start the clock and (`on_signal`) catch SIGTERM in this process from now on (one that
-        reached a forked local rank before this is counted: `_passing_sigterm`)."""
+        reached a forked local rank before this is counted: `passing_sigterm`)."""
         import signal
 
         self.started = time.monotonic()
@@ -600,7 +600,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
     if len(sizes) != 1:
         raise ValueError(f"measure_many: pipelines need one world size, got {sorted(sizes)}")
     _check_optimizer(optimizer)  # here, before the workers start, not in each of them
-    with _passing_sigterm(exit_check is not None and exit_check.on_signal):
+    with passing_sigterm(exit_check is not None and exit_check.on_signal):
         results = launch(_train_worker, sizes.pop(), args=(tuple(pipes), tuple(inputs), target, steps, warmup,
                                                             learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                             link, update_in_warmup, init, loss_scaler, resume, save,
@@ -620,11 +620,15 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
 _EARLY_SIGTERM = [False]
 """Whether a SIGTERM reached this (forked local rank) process before its `ExitCheck.start`."""
 
+_SIGTERM_PASSED = [False]
+"""Whether this process passed a SIGTERM on to its ranks (`passing_sigterm`): it is winding down."""
+
 
 @contextlib.contextmanager
-def _passing_sigterm(on: bool) -> Iterator[None]:
+def passing_sigterm(on: bool) -> Iterator[None]:
     """While on: a SIGTERM to this process is sent on to its child processes (the local ranks,
-    whose `ExitCheck` stops them after their step), not taken by this one."""
+    whose `ExitCheck` stops them after their step), not taken by this one. Once one has come, the
+    process was asked to end and is winding down: further ones stay ignored after the block too."""
     import multiprocessing
     import os
     import signal
@@ -638,6 +642,7 @@ def _passing_sigterm(on: bool) -> Iterator[None]:
         if os.getpid() != parent:  # a forked rank that has not started its ExitCheck yet: it will see this
             _EARLY_SIGTERM[0] = True
             return
+        _SIGTERM_PASSED[0] = True
         for child in multiprocessing.active_children():
             if child.pid is not None:
                 os.kill(child.pid, signal.SIGTERM)
@@ -646,7 +651,7 @@ def _passing_sigterm(on: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if _SIGTERM_PASSED[0] else previous)
 
 
 LINK_SIZES = (4, 4 * 2**20)

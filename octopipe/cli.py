@@ -846,7 +846,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import octopipe
-    from octopipe.bench import measure_steps, save_path
+    from octopipe.bench import measure_steps, passing_sigterm, save_path
     from octopipe.errors import ExecutionError, OctopipeError
 
     if args.clip_grad is not None and not args.clip_grad > 0:
@@ -981,14 +981,23 @@ def cmd_train(args: argparse.Namespace) -> int:
             if data.consumed:
                 print(f"data: resumed after the checkpoint's {data.consumed:,} sequences")
     board = _Board(args, data)  # (its folder made before the training)
-    timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
-                           optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
-                           init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
-                           resume=args.resume, save=args.save, save_every=args.save_interval,
-                           save_sharded=args.save_sharded, save_background=args.async_save,
-                           first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
-                           optimizer_options=_optimizer_options(args), trace=bool(args.trace),
-                           exit_check=_exit_check(args))
+    # with --exit-signal-handler a SIGTERM goes to the ranks, and one more while this reports is held
+    with passing_sigterm(args.exit_signal_handler):
+        timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
+                               optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
+                               init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
+                               resume=args.resume, save=args.save, save_every=args.save_interval,
+                               save_sharded=args.save_sharded, save_background=args.async_save,
+                               first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
+                               optimizer_options=_optimizer_options(args), trace=bool(args.trace),
+                               exit_check=_exit_check(args))
+        _report_training(args, timing, data, board, pipe, cluster)
+    return EXIT_OK
+
+
+def _report_training(args: argparse.Namespace, timing: Any, data: Any, board: _Board, pipe: Any, cluster: Any) -> None:
+    """Local `train`'s lines after its ranks ran: the steps, evaluations, where it stopped and
+    saved, the trace, the measured step beside the prediction."""
     evaluations = dict(timing.evaluations)
     log = _StepLog(args, data)
     ran = len(timing.losses)
@@ -1018,7 +1027,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"note: analytic costs price FLOPs and bytes at {cluster.name}'s rates, not this machine's per-op "
               "overheads (large for small models on CPUs); --profile plans with measured costs, and its prediction "
               "is the one to compare", file=sys.stderr)
-    return EXIT_OK
 
 
 LOSS_SCALING = (("--initial-loss-scale", "initial_loss_scale", "init_scale"), ("--loss-scale", "loss_scale", "init_scale"),

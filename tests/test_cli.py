@@ -1799,6 +1799,8 @@ def test_train_exit_signal_handler_saves_and_stops_on_sigterm_locally_and_under_
             if not launcher:
                 time.sleep(4)  # its ranks started and training
                 proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)  # (a second one, while it stops: held too)
             else:  # one rank only: the others hear of it from it
                 os.kill(min(_children(proc.pid)), signal.SIGTERM)
             out, err = proc.communicate(timeout=200)
@@ -1811,6 +1813,30 @@ def test_train_exit_signal_handler_saves_and_stops_on_sigterm_locally_and_under_
         assert stopped and 1 <= int(stopped.group(1)) < 3000, out[-2000:]
         assert f"saved the checkpoint to {save}" in out
         assert saved_extra(str(tmp_path / save), 0)["iteration"] == int(stopped.group(1))
+    # without the flag a SIGTERM ends the run at once, its local ranks with it (they used to train
+    # on, orphaned, and save at their end), and nothing is saved
+    proc = subprocess.Popen([sys.executable, *words[:-1], "--save", str(tmp_path / "killed.pt")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        while "plan devices=" not in (line := proc.stdout.readline()):
+            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(4)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "a SIGTERM arrived: stopping the local ranks" in err
+    time.sleep(1)
+    left = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()
+            and str(tmp_path / "killed.pt") in _cmdline(entry)]
+    assert not left and not (tmp_path / "killed.pt").exists()
+
+
+def _cmdline(entry):
+    try:
+        return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):

@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -93,6 +94,14 @@ def _child(rank: int, nprocs: int, port: int, backend: str, timeout_s: float,
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """`launch`'s SIGTERM handler: in the launching process, stop (its cleanup ends the ranks); in a
+    forked rank that has not installed its own, end the rank (its parent reports it)."""
+    if multiprocessing.parent_process() is None:
+        print("octopipe: a SIGTERM arrived: stopping the local ranks", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def launch(
     worker: Callable[..., Any],
     nprocs: int,
@@ -131,8 +140,19 @@ def launch(
                         name=f"octopipe-rank{rank}", daemon=True)
         for rank in range(nprocs)
     ]
-    for process in processes:
-        process.start()
+    # a SIGTERM to this process (a scheduler's, `timeout`'s) would end it at once and leave the
+    # ranks running on their own: unless the caller catches it itself, it ends this process
+    # through the cleanup below, which ends the ranks
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous_handler = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        for process in processes:
+            process.start()
+    except BaseException:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        raise
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -170,6 +190,8 @@ def launch(
                 if grace_deadline is None:  # peers of a failed rank usually fail soon after; collect them briefly
                     grace_deadline = time.monotonic() + 5.0
     finally:
+        if previous_handler is not None:  # (a second SIGTERM must not cut the cleanup short)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # only ranks that never reported are asked for their stacks: a rank that reported is
         # exiting, and faulthandler dumping a thread state the interpreter is tearing down
         # crashes the process ("Fatal Python error: Segmentation fault" in its stderr)
@@ -200,6 +222,8 @@ def launch(
             if os.path.exists(path):
                 os.remove(path)
         os.rmdir(stack_dir)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     if failures:
         # report the root cause: a rank that failed on its own, not one that lost its peer
         echoes = ("Connection closed by peer", "Connection reset by peer", "Timed out", "went away", "did not answer")
