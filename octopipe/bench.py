@@ -65,6 +65,9 @@ class StepTiming:
     exit_reason: str | None = None
     """Where an `ExitCheck` ended the run before its last step: why (the steps run are
     `len(losses)`), else None."""
+    grad_norms: tuple[float | None, ...] = ()
+    """Per timed step, with `clip_grad`: the gradients' total norm before clipping
+    (`Engine.clip_grad_norm_`), else None."""
 
     @property
     def median_ms(self) -> float:
@@ -399,6 +402,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     losses: list[list[float]] = [[] for _ in pipes]
     scales: list[list[float | None]] = [[] for _ in pipes]
     skipped: list[list[bool]] = [[] for _ in pipes]
+    norms: list[list[float | None]] = [[] for _ in pipes]
     evaluations: list[list[tuple[int, float]]] = [[] for _ in pipes]
     traced: list[tuple[TimelineEntry, ...]] = [() for _ in pipes]
     busy: list[list[float]] = [[] for _ in pipes]
@@ -408,14 +412,16 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     link_rounds: list[list[float]] = []
     link_buffers = _link_buffers(LINK_SIZES) if link else []
 
-    def after_step(engine: Any, optimizer: Any, update: bool = True, done: int = 0) -> None:
+    def after_step(engine: Any, optimizer: Any, update: bool = True, done: int = 0) -> float | None:
+        norm = None
         if update and clip_grad is not None:
-            engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
+            norm = engine.clip_grad_norm_(clip_grad)  # collective: every rank, with or without parameters
         if update and optimizer is not None:
             if lr_schedule is not None:  # (`done`: the iterations before this update)
                 set_learning_rate(optimizer, lr_schedule(done))
             optimizer.step()
         engine.zero_grad()  # (the weights', the master copies' and fp32_grads' gradients)
+        return norm
 
     # a warm-up without an update leaves no trace: the buffers it ran through (batch statistics),
     # the stages' dropout streams and the loss scale are put back as they were before it
@@ -443,7 +449,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
             dist.barrier()
             elapsed = (time.perf_counter() - start) * 1e3
             done = first_step + step - warmup + 1  # (the iteration, counted on from a resumed checkpoint's)
-            after_step(engine, optimizer, update=update_in_warmup or step >= warmup, done=max(done - 1, 0))
+            norm = after_step(engine, optimizer, update=update_in_warmup or step >= warmup, done=max(done - 1, 0))
             if save and step >= warmup and saves_after(done, first_step + steps, save_every):
                 # (collective; outside the timed span)
                 engine.save_checkpoint(save_path(save, done), sharded=save_sharded, background=save_background,
@@ -455,6 +461,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 losses[index].append(float(loss))
                 scales[index].append(engine.loss_scaler.scale if engine.loss_scaler is not None else None)
                 skipped[index].append(engine.skipped_step)
+                norms[index].append(norm)
             if record and not probe:
                 engine.timeline = None
             if probe:
@@ -494,9 +501,9 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
-                       tuple(ev), test, (tr,) if trace else (), exit_reason)
-            for t, values, b, o, sc, sk, ev, test, tr in zip(times, losses, busy, op_spans, scales, skipped, evaluations,
-                                                             tests, traced)], durations, link_rounds
+                       tuple(ev), test, (tr,) if trace else (), exit_reason, tuple(gn))
+            for t, values, b, o, sc, sk, ev, test, tr, gn in zip(times, losses, busy, op_spans, scales, skipped,
+                                                                 evaluations, tests, traced, norms)], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,

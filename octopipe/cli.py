@@ -1004,13 +1004,14 @@ def _report_training(args: argparse.Namespace, timing: Any, data: Any, board: _B
     schedule = _lr_schedule(args)
     for step, (loss, ms) in enumerate(zip(timing.losses, timing.step_ms)):
         skipped = step < len(timing.skipped) and timing.skipped[step]
+        norm = timing.grad_norms[step] if step < len(timing.grad_norms) else None
         line = log.line(step, loss, ms, skipped, timing.loss_scales[step] if skipped else None,
-                        stopping=timing.exit_reason is not None and step + 1 == ran)
+                        stopping=timing.exit_reason is not None and step + 1 == ran, grad_norm=norm)
         if line:
             print(line)
         done = args.first_step + step + 1
         board.step(done, loss, ms, _step_lr(args, schedule, step),
-                   timing.loss_scales[step] if step < len(timing.loss_scales) else None)
+                   timing.loss_scales[step] if step < len(timing.loss_scales) else None, norm)
         if done in evaluations:
             print(_evaluation_line(done, evaluations[done]))
             board.evaluation(done, evaluations[done])
@@ -1076,9 +1077,12 @@ class _Board:
             raise OctopipeError(f"train --tensorboard-dir {args.tensorboard_dir}: cannot write there ({exc}); give a "
                                 "folder this process can create files in") from None
 
-    def step(self, done: int, loss: float, ms: float, lr: float | None, scale: float | None) -> None:
+    def step(self, done: int, loss: float, ms: float, lr: float | None, scale: float | None,
+             grad_norm: float | None = None) -> None:
         if self.writer is None:
             return
+        if grad_norm is not None:
+            self.writer.add_scalar("grad-norm", grad_norm, done)
         self.writer.add_scalar("lm loss", loss, done)
         if lr is not None:
             self.writer.add_scalar("learning-rate", lr, done)
@@ -1246,9 +1250,11 @@ class _StepLog:
         self.scale: float | None = None
 
     def line(self, step: int, loss: float, ms: float, skipped: bool, scale: float | None,
-             stopping: bool = False) -> str | None:
+             stopping: bool = False, grad_norm: float | None = None) -> str | None:
         """Take step `step` (0-based in this run); the line to print, if one is due. `stopping`:
-        the run stops after this step (--exit-*): the line is due, and the checkpoint is saved."""
+        the run stops after this step (--exit-*): the line is due, and the checkpoint is saved.
+        `grad_norm` (--clip-grad): the step's gradient norm before clipping; a line gives its
+        last step's, as Megatron's does."""
         args = self.args
         self.losses.append(loss)
         self.times.append(ms)
@@ -1266,6 +1272,8 @@ class _StepLog:
         if self.tokens is not None and ms > 0:
             text += f"  {self.tokens / ms * 1e3:,.0f} tokens/s"
         text += _lr_note(args, number)
+        if grad_norm is not None:
+            text += f"  grad norm {grad_norm:.4g}"
         if count > 1:
             text += f"  (means of steps {number - count + 1}-{number})"
         if self.skipped:
@@ -1732,8 +1740,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         if record:
             traced = [timeline_entries(engine.timeline or [], start)]
             engine.timeline = None
+        norm = None
         if args.clip_grad is not None:
-            engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
+            norm = engine.clip_grad_norm_(args.clip_grad)  # collective: every rank, with or without parameters
         if optimizer is not None:
             if schedule is not None:
                 set_learning_rate(optimizer, schedule(args.first_step + step))
@@ -1744,12 +1753,13 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         # (collective where it asks the time or a signal: every rank, after every step but the last)
         stopped = exit_check.reason(done, device) if exit_check is not None and step + 1 < args.steps else None
         line = log.line(step, loss, step_ms[-1], engine.skipped_step,
-                        engine.loss_scaler.scale if engine.loss_scaler else None, stopping=stopped is not None)
+                        engine.loss_scaler.scale if engine.loss_scaler else None, stopping=stopped is not None,
+                        grad_norm=norm)
         if line and rank == 0:
             print(line, flush=True)
         if board is not None:
             board.step(done, loss, step_ms[-1], _step_lr(args, schedule, step),
-                       engine.loss_scaler.scale if engine.loss_scaler else None)
+                       engine.loss_scaler.scale if engine.loss_scaler else None, norm)
         if _saves_at(args, step) or (stopped and args.save):
             # (collective: gathered to rank 0, which writes it; or each rank's own shard)
             engine.save_checkpoint(save_path(args.save, done), sharded=args.save_sharded, background=args.async_save,
@@ -2286,7 +2296,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--adam-eps", type=_positive_float, default=None, help="AdamW's eps (default 1e-8)")
     p.add_argument("--sgd-momentum", type=float, default=None, help="SGD's momentum (default 0)")
     p.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
-                   help="clip the gradients' total norm, across ranks, to NORM before each step")
+                   help="clip the gradients' total norm, across ranks, to NORM before each step; each step line "
+                        "gives the norm before clipping (Megatron's grad norm)")
     p.add_argument("--profile", action="store_true",
                    help="plan with measured costs: on CPU processes, every layer timed inside pipelined steps "
                         "(under torchrun, on new processes of rank 0's node) and the link and per-op host time "
@@ -2366,6 +2377,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensorboard-dir", metavar="DIR", default=None,
                    help="also write the run's scalars to TensorBoard event files in DIR, by iteration, under "
                         "Megatron's names: lm loss, learning-rate, batch-size, iteration-time (s), loss-scale (fp16), "
+                        "grad-norm (--clip-grad), "
                         "lm loss validation / test and their ppl (needs the tensorboard package: pip install "
                         "tensorboard; under torchrun rank 0 writes)")
     p.add_argument("--exit-interval", type=_positive_int, default=None, metavar="N",

@@ -209,7 +209,8 @@ def test_train_runs_locally_from_a_checkpoint_and_losses_fall(tmp_path):
     with torch.no_grad():
         start = models.lm_loss(model(*inputs), target).item()
     models.lm_loss(model(*inputs), target).backward()
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) > 0.5  # so that it clips
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    assert norm > 0.5  # so that it clips
     torch.optim.AdamW(model.parameters(), lr=0.01).step()
     with torch.no_grad():
         expected = models.lm_loss(model(*inputs), target).item()
@@ -222,6 +223,9 @@ def test_train_runs_locally_from_a_checkpoint_and_losses_fall(tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert losses[0] == pytest.approx(start, abs=1e-5)
     assert losses[1] == pytest.approx(expected, abs=1e-4)
+    # each line gives its step's gradient norm before clipping (Megatron's grad norm)
+    norms = [float(x) for x in re.findall(r"^step \d: loss \S+ .* grad norm (\S+)$", proc.stdout, re.MULTILINE)]
+    assert len(norms) == 4 and norms[0] == pytest.approx(norm, rel=1e-3)
 
 
 SMALL_PAPER = ["--set", "vocab_size=512", "--set", "hidden_size=64", "--set", "num_layers=4", "--set", "num_heads=4",
@@ -1726,10 +1730,14 @@ def test_train_tensorboard_dir_holds_the_printed_numbers_by_iteration(tmp_path, 
     train, valid = _token_files(tmp_path)
     words = ["train", "--model", "llama", "--data", str(train), "--eval-data", str(valid), "--eval-iters", "1",
              "--eval-interval", "2", "--schedule", "1f1b", "--quiet", "--optimizer", "adamw", "--lr", "0.01",
-             "--lr-warmup-iters", "2"]
+             "--lr-warmup-iters", "2", "--clip-grad", "100"]
     assert main([*words, "--steps", "3", "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "a.pt")]) == EXIT_OK
-    losses, evaluations = _losses_and_evaluations(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    losses, evaluations = _losses_and_evaluations(out)
     board = _board(tmp_path / "tb")
+    norms = [float(x) for x in re.findall(r" grad norm (\S+)", out)]
+    assert [step for step, _ in board["grad-norm"]] == [1, 2, 3]
+    assert [value for _, value in board["grad-norm"]] == pytest.approx(norms, rel=1e-3)
     assert {"lm loss", "learning-rate", "batch-size", "iteration-time", "lm loss validation",
             "lm loss validation ppl"} <= set(board) and "loss-scale" not in board
     assert [step for step, _ in board["lm loss"]] == [1, 2, 3]
