@@ -631,30 +631,40 @@ _SIGTERM_PASSED = [False]
 """Whether this process passed a SIGTERM on to its ranks (`passing_sigterm`): it is winding down."""
 
 
+def pass_sigterm_to_ranks() -> None:
+    """From now on in this process, a SIGTERM is passed on to the local ranks (`passing_sigterm`
+    for the rest of the process: a CLI run that asked for it before its ranks start)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _pass_on)
+
+
+def _pass_on(signum: int, frame: Any) -> None:
+    import multiprocessing
+    import os
+    import signal
+
+    if multiprocessing.parent_process() is not None:  # a forked rank before its ExitCheck: it will see this
+        _EARLY_SIGTERM[0] = True
+        return
+    _SIGTERM_PASSED[0] = True
+    _EARLY_SIGTERM[0] = True  # (ranks not forked yet inherit it: they stop after their first step)
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            os.kill(child.pid, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def passing_sigterm(on: bool) -> Iterator[None]:
     """While on: a SIGTERM to this process is sent on to its child processes (the local ranks,
     whose `ExitCheck` stops them after their step), not taken by this one. Once one has come, the
     process was asked to end and is winding down: further ones stay ignored after the block too."""
-    import multiprocessing
-    import os
     import signal
 
     if not on:
         yield
         return
-    parent = os.getpid()
-
-    def pass_on(signum: int, frame: Any) -> None:
-        if os.getpid() != parent:  # a forked rank that has not started its ExitCheck yet: it will see this
-            _EARLY_SIGTERM[0] = True
-            return
-        _SIGTERM_PASSED[0] = True
-        for child in multiprocessing.active_children():
-            if child.pid is not None:
-                os.kill(child.pid, signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, pass_on)
+    previous = signal.signal(signal.SIGTERM, _pass_on)
     try:
         yield
     finally:

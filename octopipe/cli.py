@@ -870,6 +870,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_data_flags(args)
     if args.trace and not args.torchrun:  # (before the training; a printed line's path is the cluster's)
         _writable(args.trace, "--trace")
+    if args.tensorboard_dir is not None and not args.torchrun:  # (a printed line's folder is the cluster's)
+        _writable(args.tensorboard_dir, "train --tensorboard-dir", directory=True)
     if args.tensorboard_dir and not args.torchrun:  # (before the planning; the cluster's may have it)
         import importlib.util
 
@@ -916,6 +918,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_OK
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _train_distributed(args)
+    if args.exit_signal_handler:  # (from here: a SIGTERM while planning stops the ranks after their first step)
+        from octopipe.bench import pass_sigterm_to_ranks
+
+        pass_sigterm_to_ranks()
     if args.size == "paper":
         raise OctopipeError("train --size paper: a paper-size model does not fit this machine; it trains across GPUs "
                             "under torchrun, where each rank creates only its own stages (--torchrun prints the "
@@ -1066,6 +1072,8 @@ class _Board:
         self.batch = float(data.train.global_batch if data is not None else args.batch_size * args.data_parallel)
         if args.tensorboard_dir is None:
             return
+        if not args.tensorboard_dir:  # (SummaryWriter would pick ./runs/... itself)
+            raise OctopipeError("train --tensorboard-dir: the path is empty; give a folder")
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -1268,7 +1276,8 @@ class _StepLog:
             return None
         count, number = len(self.losses), args.first_step + step
         ms = sum(self.times) / count
-        text = f"step {number}: loss {sum(self.losses) / count:.5f}  {ms:.1f} ms"
+        finite = [value for value in self.losses if value == value]  # (nan: a step where no target counted)
+        text = f"step {number}: loss {sum(finite) / len(finite) if finite else math.nan:.5f}  {ms:.1f} ms"
         if self.tokens is not None and ms > 0:
             text += f"  {self.tokens / ms * 1e3:,.0f} tokens/s"
         text += _lr_note(args, number)
@@ -1276,6 +1285,8 @@ class _StepLog:
             text += f"  grad norm {grad_norm:.4g}"
         if count > 1:
             text += f"  (means of steps {number - count + 1}-{number})"
+        if 0 < len(finite) < count:
+            text += f"  ({count - len(finite)} of them nan, left out of the mean: no target counted)"
         if self.skipped:
             text += (_skipped_note(self.scale) if count == 1 else
                      f"  ({self.skipped} of them skipped: an inf or nan gradient; loss scale now {self.scale:g})")
@@ -2007,7 +2018,13 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    import signal
+
     from octopipe.data import tokenize_files
     from octopipe.errors import OctopipeError
 
@@ -2018,6 +2035,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
             eod = int(eod)
         except ValueError:
             raise OctopipeError(f"tokenize --eod {args.eod}: give a token id (an integer >= 0) or eos") from None
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # (a SIGTERM ends it through its cleanup)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     done = tokenize_files(args.inputs, args.output, tokenizer=args.tokenizer, eod=eod, json_key=args.json_key,
                           workers=args.workers)
     raw = not args.output.endswith(".npy") and done.dtype != "uint16"

@@ -560,13 +560,18 @@ def read_documents(path: str | os.PathLike[str], json_key: str = "text") -> Iter
     if not path.is_file():
         raise DataError(f"tokenize {path}: no such file")
     if path.suffix != ".jsonl":
-        try:
-            yield path.read_text(encoding="utf-8")
+        try:  # (bytes decoded as they are: \r\n stays two tokens, as the file holds it)
+            yield path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:
             raise DataError(f"tokenize {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         return
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"tokenize {path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start} of "
+                                "the line)") from None
             if not line.strip():
                 continue
             try:
@@ -577,7 +582,13 @@ def read_documents(path: str | os.PathLike[str], json_key: str = "text") -> Iter
             if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
                 raise DataError(f"tokenize {path}:{number}: no string field {json_key!r} (give the field that holds "
                                 "the text with --json-key)")
-            yield record[json_key]
+            text = record[json_key]
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # (a lone surrogate escape, such as \ud83d alone)
+                raise DataError(f"tokenize {path}:{number}: its text is not valid Unicode ({exc.reason} at character "
+                                f"{exc.start}: a lone surrogate escape?); fix or drop that line") from None
+            yield text
 
 
 def _tokenizer(name: str) -> tuple[Any, int, int | None]:
@@ -605,7 +616,8 @@ def _tokenizer(name: str) -> tuple[Any, int, int | None]:
             return [np.asarray(encoding.ids, dtype=np.int64) for encoding in batch(texts, add_special_tokens=False)]
         return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    return encode, len(tokenizer), tokenizer.eos_token_id
+    # (an id past len(tokenizer): a vocabulary with gaps; the file's dtype must hold the largest)
+    return encode, max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1), tokenizer.eos_token_id
 
 
 def _byte_ids(texts: list[str]) -> list[np.ndarray]:
@@ -651,14 +663,18 @@ def tokenize_files(inputs: Sequence[str | os.PathLike[str]], output: str | os.Pa
     come, never held whole (a `.npy`'s header is written once the count is known)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ArgumentError(f"tokenize --workers {workers!r}: give a count of processes >= 1")
+    if Path(output).resolve() in {Path(path).resolve() for path in inputs}:
+        raise ArgumentError(f"tokenize -o {output}: is one of the input files, which writing it would destroy; give "
+                            "another output path")
     encode, vocab, eos = _tokenizer(tokenizer)
     if eod == "eos":
         if eos is None:
             raise DataError(f"tokenize --eod eos: the {tokenizer} tokenizer has no end-of-sequence token; give an id "
                             f"(--eod ID, below {vocab} to fit the models that read these ids) or leave it out")
         eod = eos
-    if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or eod < 0):
-        raise ArgumentError(f"tokenize --eod {eod!r}: give a token id (an integer >= 0) or eos")
+    if eod is not None and (isinstance(eod, bool) or not isinstance(eod, int) or not 0 <= eod < 1 << 32):
+        raise ArgumentError(f"tokenize --eod {eod!r}: give a token id (an integer from 0 to 2**32 - 1, what a uint32 "
+                            "file holds) or eos")
     dtype = np.dtype(np.uint16 if max(vocab, (eod or 0) + 1) <= 1 << 16 else np.uint32)
     end = np.asarray([eod] if eod is not None else [], dtype=dtype)
     output = Path(output)

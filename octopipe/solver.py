@@ -60,6 +60,7 @@ def _solver(work: float, seed: int, time_limit_s: float | None = None) -> cp_mod
     safety net that, when it fires first, makes the result depend on the machine's speed."""
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
+    solver.parameters.catch_sigint_signal = False  # (Ctrl-C stays Python's: it left SIGINT at the OS default)
     solver.parameters.max_deterministic_time = max(0.01, work)
     solver.parameters.random_seed = seed
     if time_limit_s is not None:
@@ -1268,6 +1269,7 @@ def solve_joint(
     model.Minimize(makespan)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
+    solver.parameters.catch_sigint_signal = False  # (Ctrl-C stays Python's: it left SIGINT at the OS default)
     solver.parameters.max_deterministic_time = work
     solver.parameters.random_seed = seed
     if time_limit_s is not None:

@@ -1548,6 +1548,15 @@ def test_train_eod_mask_loss_equals_plain_training_on_the_token_mean_of_the_unma
     assert re.search(r"^validation after 1 step: loss \d\.\d+  perplexity", capsys.readouterr().out, re.MULTILINE)
     assert main([*words[:4], str(tmp_path / "all-ends.bin"), *words[5:], "--steps", "2"]) == EXIT_OK
     assert re.findall(r"^step \d: loss (\S+)", capsys.readouterr().out, re.MULTILINE) == ["nan", "nan"]
+    # 2 replicas, one holding only ends of a validation batch: the same token mean as 1 replica on
+    # the same global batch (its share used to make the loss nan)
+    validated = []
+    for sizes in (["--data-parallel", "2", "--batch-size", "8"], ["--batch-size", "16", "--microbatches", "8"]):
+        assert main(["train", "--model", "llama", "--data", str(train), "--eval-data", str(tmp_path / "ends.bin"),
+                     "--eval-iters", "1", "--steps", "1", "--lr", "1.0", "--optimizer", "sgd", "--schedule", "1f1b",
+                     "--quiet", "--init", str(tmp_path / "start.pt"), "--eod-mask-loss", "255", *sizes]) == EXIT_OK
+        validated.append(_losses_and_evaluations(capsys.readouterr().out)[1][1])
+    assert validated[0] == validated[0] and validated[0] == pytest.approx(validated[1], abs=2e-5)
     # an id the files never hold is named; the torchrun line carries the flag
     assert main([*words[:-1], "254", "--steps", "1"]) == EXIT_OK
     assert f"--eod-mask-loss 254: {train} never holds token 254, so nothing is masked there" in capsys.readouterr().err
@@ -1752,6 +1761,11 @@ def test_train_tensorboard_dir_holds_the_printed_numbers_by_iteration(tmp_path, 
     resumed = _board(tmp_path / "tb2")
     assert [step for step, _ in resumed["lm loss"]] == [4, 5]
     assert [value for _, value in resumed["lm loss"]] == pytest.approx(_losses_and_evaluations(proc.stdout)[0], abs=6e-6)
+    assert main([*words, "--steps", "1", "--tensorboard-dir", ""]) == EXIT_ERROR
+    assert "--tensorboard-dir: the path is empty" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main([*words, "--steps", "1", "--tensorboard-dir", str(tmp_path / "file")]) == EXIT_ERROR
+    assert "exists and is not a folder" in capsys.readouterr().err
     assert main([*words, "--tensorboard-dir", "/cluster/tb", "--nprocs", "4", "--torchrun"]) == EXIT_OK
     assert "--tensorboard-dir /cluster/tb" in capsys.readouterr().out
     # without the package: refused before planning, with the install line
@@ -1821,23 +1835,46 @@ def test_train_exit_signal_handler_saves_and_stops_on_sigterm_locally_and_under_
         assert stopped and 1 <= int(stopped.group(1)) < 3000, out[-2000:]
         assert f"saved the checkpoint to {save}" in out
         assert saved_extra(str(tmp_path / save), 0)["iteration"] == int(stopped.group(1))
+    # a SIGTERM as soon as the plan is printed, before the ranks exist: they stop after their first
+    # step (it used to be lost: the run trained on to its end)
+    out, err, code = _signalled(words + ["--save", "early.pt"], env, tmp_path, signal.SIGTERM, after_s=0.0)
+    assert code == 0, err[-3000:]
+    stopped = re.search(r"^stopped after iteration (\d+) of 3000: a SIGTERM arrived", out, re.MULTILINE)
+    assert stopped and int(stopped.group(1)) <= 3 and (tmp_path / "early.pt").exists()
     # without the flag a SIGTERM ends the run at once, its local ranks with it (they used to train
-    # on, orphaned, and save at their end), and nothing is saved
-    proc = subprocess.Popen([sys.executable, *words[:-1], "--save", str(tmp_path / "killed.pt")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    # on, orphaned, and save at their end), and nothing is saved; so does Ctrl-C (SIGINT) after
+    # the planner ran its CP-SAT solver (which took SIGINT over, leaving the ranks orphaned)
+    for signum, words_, code_ in ((signal.SIGTERM, words[:-1], 128 + signal.SIGTERM),
+                                  (signal.SIGINT, [w for w in words[:-1] if w not in ("--schedule", "1f1b")]
+                                   + ["--time-limit", "1"], 130)):
+        save = str(tmp_path / f"killed{signum}.pt")
+        out, err, code = _signalled(words_ + ["--save", save], env, tmp_path, signum, after_s=4.0)
+        assert code == code_, err[-3000:]
+        assert ("a SIGTERM arrived: stopping the local ranks" if signum == signal.SIGTERM else "interrupted") in err
+        time.sleep(1)
+        left = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit() and save in _cmdline(entry)]
+        assert not left and not Path(save).exists()
+
+
+def _signalled(words, env, cwd, signum, after_s):
+    """(stdout, stderr, exit code) of `python WORDS` sent `signum` `after_s` seconds after it
+    printed its plan (SIGINT as a terminal's Ctrl-C reaches it: at its default)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, *words], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
+        lines = []
         while "plan devices=" not in (line := proc.stdout.readline()):
             assert line or proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(4)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+            lines.append(line)
+        time.sleep(after_s)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM and "a SIGTERM arrived: stopping the local ranks" in err
-    time.sleep(1)
-    left = [entry.name for entry in Path("/proc").iterdir() if entry.name.isdigit()
-            and str(tmp_path / "killed.pt") in _cmdline(entry)]
-    assert not left and not (tmp_path / "killed.pt").exists()
+    return "".join(lines) + line + out, err, proc.returncode
 
 
 def _cmdline(entry):
@@ -1845,6 +1882,23 @@ def _cmdline(entry):
         return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_a_step_line_leaves_nan_steps_out_of_its_mean():
+    # --log-interval with --eod-mask-loss: a step where no target counted (nan) is named, not
+    # allowed to make the whole window's mean nan
+    import argparse
+
+    from octopipe.cli import _StepLog
+
+    args = argparse.Namespace(log_interval=3, first_step=0, steps=6, save=None, lr=0.0, lr_warmup_iters=0,
+                              lr_decay_style="constant", min_lr=0.0)
+    log = _StepLog(args, None)
+    lines = [log.line(step, loss, 10.0, False, None) for step, loss in enumerate([2.0, float("nan"), 4.0])]
+    assert lines[:2] == [None, None] and lines[2].startswith("step 2: loss 3.00000  10.0 ms")
+    assert "(1 of them nan, left out of the mean: no target counted)" in lines[2]
+    lines = [log.line(step, float("nan"), 10.0, False, None) for step in (3, 4, 5)]
+    assert lines[2].startswith("step 5: loss nan") and "of them nan" not in lines[2]
 
 
 def test_train_megatron_batch_flags_and_log_interval(tmp_path, capsys):

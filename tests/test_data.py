@@ -224,6 +224,26 @@ def test_tokenize_writes_what_train_reads(tmp_path):
         tokenize_files([tmp_path / "a.txt"], tmp_path / "x.bin", workers=0)
 
 
+def test_tokenize_refuses_what_it_cannot_write_faithfully(tmp_path):
+    from octopipe.data import tokenize_files
+
+    (tmp_path / "a.txt").write_bytes(b"a\r\nb\rc")
+    tokenize_files([tmp_path / "a.txt"], tmp_path / "crlf.bin")
+    assert token_stream(tmp_path / "crlf.bin").tolist() == list(b"a\r\nb\rc")  # (the file's bytes, \r kept)
+    with pytest.raises(ArgumentError, match="is one of the input files, which writing it would destroy"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "a.txt")
+    assert (tmp_path / "a.txt").read_bytes() == b"a\r\nb\rc"
+    (tmp_path / "lone.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud83db"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match="lone.jsonl:2: its text is not valid Unicode .* lone surrogate"):
+        tokenize_files([tmp_path / "lone.jsonl"], tmp_path / "x.bin", workers=2)
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match="latin.jsonl:2: not UTF-8 text"):
+        tokenize_files([tmp_path / "latin.jsonl"], tmp_path / "x.bin")
+    with pytest.raises(ArgumentError, match="--eod 4294967296: give a token id .* 2\\*\\*32 - 1"):
+        tokenize_files([tmp_path / "a.txt"], tmp_path / "x.bin", eod=1 << 32)
+    assert not list(tmp_path.glob("x.bin*"))
+
+
 def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
     pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -250,6 +270,11 @@ def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
     assert done.dtype == "uint32" and token_stream(tmp_path / "big.bin", "uint32").tolist() == [0, 70_002, 70_002]
     with pytest.raises(DataError, match="cannot load it"):
         tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "x.bin", tokenizer=str(tmp_path / "missing"))
+    # a vocabulary with gaps (4 entries, an id of 70,000): sized by its largest id, so uint32
+    sparse = saved({"[UNK]": 0, "</s>": 1, "hello": 2, "world": 70_000}, "sparse")
+    done = tokenize_files([tmp_path / "docs.jsonl"], tmp_path / "sparse.bin", tokenizer=sparse)
+    assert (done.dtype, done.vocab_size) == ("uint32", 70_001)
+    assert token_stream(tmp_path / "sparse.bin", "uint32").tolist() == [2, 70_000, 70_000]
 
 
 def test_a_blend_takes_each_files_share_of_every_thousand_sequences_in_its_own_order(tmp_path):

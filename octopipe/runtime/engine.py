@@ -1018,9 +1018,14 @@ class Engine:
             if target is None:
                 raise ArgumentError(f"rank {self.rank}: {call}: this engine weighs microbatches by loss_weight(target) "
                                     f"but got no target: call {call[:-2]}(inputs, target)")
-            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}",
-                                               self._total_over_replicas if replicas > 1 else None)
-            if not any(self._weights):  # no target counts anywhere: the loss is nan (every rank's, once summed)
+            totals: list[float] = []
+
+            def total_of(local: float) -> float:  # (every replica's count, where there are several)
+                totals.append(self._total_over_replicas(local) if replicas > 1 else local)
+                return totals[-1]
+
+            self._weights = microbatch_weights(self.loss_weight, target, count, f"rank {self.rank}: {call}", total_of)
+            if totals and totals[0] <= 0:  # no target counts in the whole batch: the loss is nan, as a mean of none
                 self._loss_sum += float("nan")
         # a tied gradient is all-reduced (every gradient, with replicas; and with fp16 every one is
         # unscaled): set aside what earlier steps accumulated, so only this step's contributions
