@@ -489,8 +489,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
         if exit_check is not None and step >= warmup and step + 1 < warmup + steps:
             exit_reason = exit_check.reason(done)  # (collective where it asks the time or a signal)
             if exit_reason is not None:
-                for engine in engines:  # (the checkpoint to resume from, unless this step's save wrote it)
-                    if save and not saves_after(done, first_step + steps, save_every):
+                if save and not saves_after(done, first_step + steps, save_every):  # (unless this step's save did)
+                    for engine in engines:  # (the checkpoint to resume from)
                         engine.save_checkpoint(save_path(save, done), sharded=save_sharded,
                                                background=save_background,
                                                extra=loop_state(done, data, step - warmup + 1))

@@ -846,7 +846,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     import octopipe
-    from octopipe.bench import measure_steps, passing_sigterm, save_path
+    from octopipe.bench import measure_steps, save_path
     from octopipe.errors import ExecutionError, OctopipeError
 
     if args.clip_grad is not None and not args.clip_grad > 0:
@@ -876,8 +876,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("tensorboard") is None:
-            raise OctopipeError("train --tensorboard-dir: needs the tensorboard package, which is not installed: pip "
-                                "install tensorboard (or octopipe[tensorboard])")
+            raise OctopipeError(NO_TENSORBOARD)
     if args.save and not args.torchrun:  # (before the training, not after it; a printed line's path is the cluster's)
         if not args.save_sharded and os.path.isdir(save_path(args.save, 0)):
             raise OctopipeError(f"train --save {args.save}: is a folder; give a file name, or --save-sharded too "
@@ -987,17 +986,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             if data.consumed:
                 print(f"data: resumed after the checkpoint's {data.consumed:,} sequences")
     board = _Board(args, data)  # (its folder made before the training)
-    # with --exit-signal-handler a SIGTERM goes to the ranks, and one more while this reports is held
-    with passing_sigterm(args.exit_signal_handler):
-        timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
-                               optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
-                               init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
-                               resume=args.resume, save=args.save, save_every=args.save_interval,
-                               save_sharded=args.save_sharded, save_background=args.async_save,
-                               first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
-                               optimizer_options=_optimizer_options(args), trace=bool(args.trace),
-                               exit_check=_exit_check(args))
-        _report_training(args, timing, data, board, pipe, cluster)
+    # (with --exit-signal-handler, SIGTERM has gone to the ranks since the run began, and one more
+    # while this reports is held: pass_sigterm_to_ranks above)
+    timing = measure_steps(pipe, inputs, target, steps=args.steps, warmup=1, learning_rate=args.lr,
+                           optimizer=args.optimizer, clip_grad=args.clip_grad, update_in_warmup=False,
+                           init=args.init if pipe.master_weights else None, loss_scaler=_loss_scaling(args),
+                           resume=args.resume, save=args.save, save_every=args.save_interval,
+                           save_sharded=args.save_sharded, save_background=args.async_save,
+                           first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
+                           optimizer_options=_optimizer_options(args), trace=bool(args.trace),
+                           exit_check=_exit_check(args))
+    _report_training(args, timing, data, board, pipe, cluster)
     return EXIT_OK
 
 
@@ -1060,6 +1059,10 @@ def _saves_at(args: argparse.Namespace, step: int) -> bool:
                                            args.save_interval)
 
 
+NO_TENSORBOARD = ("train --tensorboard-dir: needs the tensorboard package, which is not installed: pip install "
+                  "tensorboard (or octopipe[tensorboard])")
+
+
 class _Board:
     """--tensorboard-dir: the run's scalars in TensorBoard event files, each at the iterations done
     (1 after the first update; counted on from a --resume checkpoint's), under Megatron's names.
@@ -1077,8 +1080,7 @@ class _Board:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise OctopipeError("train --tensorboard-dir: needs the tensorboard package, which is not installed: pip "
-                                "install tensorboard (or octopipe[tensorboard])") from None
+            raise OctopipeError(NO_TENSORBOARD) from None
         try:
             self.writer = SummaryWriter(args.tensorboard_dir)
         except OSError as exc:
