@@ -33,19 +33,32 @@ bounds), rounded so that plans stay feasible and bounds stay valid.
 from __future__ import annotations
 
 import bisect
+import importlib
 import itertools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from ortools.sat.python import cp_model
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan
 from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
+else:
+    class _ImportedOnUse(ModuleType):
+        """A module imported at its first use: CP-SAT's imports pandas and take 0.45 s, which every
+        process importing octopipe paid (each torchrun rank, `octopipe --help`) though few solve."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module(self.__name__), name)
+
+    cp_model = _ImportedOnUse("ortools.sat.python.cp_model")
 
 TICKS_PER_MS = 1000
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun_ranks import run_ranks
 
 from octopipe.cli import EXIT_ERROR, EXIT_INFEASIBLE, EXIT_INVALID_PLAN, EXIT_OK, EXIT_USAGE, main
 
@@ -241,9 +242,14 @@ def _torchrun_train(extra, tmp_path):
     return [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
 
 
-def _torchrun(words, tmp_path):
-    """`python -m octopipe.cli WORDS` on 2 ranks under torchrun (gloo on this CPU)."""
+def _torchrun(words, tmp_path, agent=False):
+    """`python -m octopipe.cli WORDS` on 2 ranks under torchrun (gloo on this CPU). Without AGENT,
+    the ranks as torchrun starts them, without torchrun itself (see `torchrun_ranks`): 5 s less
+    a run, for the tests of what the ranks do."""
     import socket
+
+    if not agent:
+        return run_ranks(words, tmp_path)
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -257,7 +263,7 @@ def _torchrun(words, tmp_path):
 @pytest.mark.timeout(240)
 def test_torchrun_rank_0_plans_with_profiled_costs_and_prints_the_plan_and_its_prediction(tmp_path):
     proc = _torchrun(["train", "--model", "llama", "--microbatches", "4", "--steps", "2", "--profile", "--time-limit",
-                      "3"], tmp_path)
+                      "3"], tmp_path, agent=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # CPU ranks: rank 0 times the layers inside pipelined steps on new processes, as local train does
     assert "every layer inside pipelined steps on 2 processes" in proc.stderr
@@ -271,7 +277,7 @@ def test_torchrun_rank_0_plans_with_profiled_costs_and_prints_the_plan_and_its_p
 def test_torchrun_rank_0_failing_before_training_is_the_root_cause_the_others_stop_quietly(tmp_path):
     # (the printed line refuses this schedule up front; the ranks meet it when started by hand)
     proc = _torchrun(["train", "--model", "llama", "--schedule", "dualpipe-v", "--microbatches", "2", "--batch-size",
-                      "4", "--steps", "1", "--quiet"], tmp_path)
+                      "4", "--steps", "1", "--quiet"], tmp_path, agent=True)
     assert proc.returncode != 0
     assert "octopipe: error: dualpipe-v needs num_microbatches >= 2 * num_devices" in proc.stderr
     assert "note: rank 1: rank 0 failed before training" in proc.stderr
