@@ -82,7 +82,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, OctopipeError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import LayerGraph
-from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, propagate_shapes, selective_hazards
+from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, kept_buffers, propagate_shapes, selective_hazards
 
 __all__ = [
     "FORMULA_NAMES",
@@ -367,14 +367,28 @@ def _resized_inputs(
     return args
 
 
+CHEAP_TO_RUN_PARAMETERS = 4_000_000
+CHEAP_TO_RUN_INPUT_ELEMENTS = 8192
+"""Below both (parameter elements; elements of each input), shape propagation runs the model on
+real tensors: 10-20x faster than FakeTensors on small models (0.012 s against 0.19 s a pass on
+the tiny LLaMA), in a few MB."""
+
+
 def _propagate(graph: LayerGraph, args: Sequence[Any]) -> dict[str, ValueInfo | None]:
     gm = graph.module
     tensors = [*gm.parameters(), *gm.buffers()]
     if tensors and all(t.is_meta for t in tensors):
         return propagate_shapes(gm, args, mode="meta")
-    try:
-        return propagate_shapes(gm, args, mode="fake")
-    except _NodeFailure:
+    cheap = (sum(p.numel() for p in gm.parameters()) <= CHEAP_TO_RUN_PARAMETERS
+             and all(a.numel() <= CHEAP_TO_RUN_INPUT_ELEMENTS for a in args if isinstance(a, torch.Tensor)))
+    if not cheap:
+        try:
+            return propagate_shapes(gm, args, mode="fake")
+        except _NodeFailure:
+            pass  # (a value-dependent shape, as MoE routing's: run it)
+    # as the trace's own run does: the buffers it changes (running statistics, counters) and the
+    # random numbers it draws (dropout) are given back
+    with kept_buffers(gm), torch.random.fork_rng(devices=[]):
         return propagate_shapes(gm, args, mode="real")
 
 

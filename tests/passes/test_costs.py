@@ -55,6 +55,28 @@ def test_formulas_match_a_fresh_shape_propagation_at_other_sizes(name):
                 assert value == concrete[key], (graph.layers[index].name, key, symbolic[key])
 
 
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_small_models_propagate_on_real_tensors_to_the_formulas_fake_ones_give(name, monkeypatch):
+    # below CHEAP_TO_RUN_* the shapes come from running the model (5-8x faster on the tiny
+    # models); the formulas are the ones FakeTensors give
+    from octopipe.passes import costs
+
+    cheap = layer_formulas(tiny_graph(name))
+    monkeypatch.setattr(costs, "CHEAP_TO_RUN_PARAMETERS", -1)
+    assert layer_formulas(tiny_graph(name)) == cheap
+
+
+def test_running_a_small_model_for_its_shapes_leaves_its_buffers_and_the_random_numbers_as_they_were():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4))
+    inputs = torch.randn(6, 8)
+    graph = trace(model, inputs, loss_fn=nn.functional.cross_entropy, example_target=torch.randint(0, 4, (6,)))
+    stats = [buffer.clone() for buffer in model[1].buffers()]
+    state = torch.get_rng_state()
+    layer_formulas(graph)
+    assert all(torch.equal(before, after) for before, after in zip(stats, model[1].buffers()))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_formulas_are_exact_for_plain_layers():
     cfg = config("llama", "tiny")
     graph = tiny_graph("llama")
