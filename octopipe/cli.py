@@ -961,6 +961,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"{pipe.data_parallel} replicas of this {pipe.plan.num_devices}-rank pipeline ({pipe.world_size} "
               f"processes), {'each on its own share of every step' if data else 'each on the same batch here'}; summing their gradients takes up to "
               f"{pipe.data_parallel_ms:.1f} ms a step (in the prediction){sharded}")
+    _note_one_replica_shard(pipe)
     if pipe.master_weights and args.fp16_weights:
         print("fp16 weights; the optimizer steps fp32 copies of them, the loss scaled dynamically and the gradients "
               "accumulated, unscaled, summed and clipped in fp32 (--fp16-weights)")
@@ -1707,6 +1708,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
                             overlap_param_gather=args.overlap_param_gather,
                             master_weights=_master_weights(args), fp32_grads=args.fp32_grads,
                             loss_weight=_loss_weight(args))
+    if rank == 0:
+        _note_one_replica_shard(pipe)
     init: Any = args.init or args.resume  # (--resume: the weights from it here, the rest after the optimizer)
     if init is None and on_meta and args.model in models.MODEL_NAMES:
         torch.manual_seed(rank // args.data_parallel)  # each pipeline rank draws its own stages' weights
@@ -2309,9 +2312,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-lr", type=_non_negative_float, default=0.0, help="the learning rate a decay ends at")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--weight-decay", type=_non_negative_float, default=None, metavar="WD",
-                   help="decoupled weight decay on the parameters of two or more dimensions only (Megatron's flag "
-                        "and rule: none on biases and norm weights); default: torch's (AdamW 0.01 on every "
-                        "parameter, SGD none)")
+                   help="weight decay on the parameters of two or more dimensions only (Megatron's flag and rule: "
+                        "none on biases and norm weights): decoupled with AdamW, added to the gradient with SGD "
+                        "(torch's, as Megatron's SGD); default: torch's (AdamW 0.01 on every parameter, SGD none)")
     p.add_argument("--adam-beta1", type=float, default=None, help="AdamW's beta1 (default 0.9)")
     p.add_argument("--adam-beta2", type=float, default=None, help="AdamW's beta2 (default 0.999)")
     p.add_argument("--adam-eps", type=_positive_float, default=None, help="AdamW's eps (default 1e-8)")
@@ -2482,6 +2485,13 @@ def _parser() -> argparse.ArgumentParser:
 
 _TORCHRUN_RANK_DONE = False
 """Set when a torchrun rank of `train` has ended (trained, or failed) and left its process group."""
+
+
+def _note_one_replica_shard(pipe: Any) -> None:
+    """--shard-optimizer with one replica shards nothing: say so rather than take it silently."""
+    if pipe.shard_optimizer and pipe.data_parallel == 1:
+        print("note: --shard-optimizer with one replica: nothing to shard, each rank keeps its stages' whole "
+              "optimizer state (give --data-parallel N, N > 1, to share it among N replicas)", file=sys.stderr)
 
 
 def _end_torchrun_rank(code: int) -> None:

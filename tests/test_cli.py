@@ -1252,6 +1252,20 @@ def test_torchrun_ranks_shard_the_optimizer_state_as_local_train_does(tmp_path, 
     assert len(local) == 5 and local == ranks and len(set(local)) == 5 - sum(skipped), (local, ranks)
 
 
+@pytest.mark.timeout(200)
+def test_shard_optimizer_with_one_replica_says_it_shards_nothing(tmp_path, capsys):
+    # (an exactness fuzz found it taken silently: Megatron's distributed optimizer also runs at
+    # one data-parallel rank, so it is a note, not a refusal)
+    words = ["train", "--model", "llama", "--schedule", "1f1b", "--steps", "1", "--quiet", "--shard-optimizer"]
+    note = "note: --shard-optimizer with one replica: nothing to shard"
+    assert main(words) == EXIT_OK
+    assert note in capsys.readouterr().err
+    proc = _torchrun(words, tmp_path)
+    assert proc.returncode == 0 and proc.stderr.count(note) == 1, proc.stderr[-3000:]  # (rank 0 says it)
+    assert main([*words, "--data-parallel", "2", "--nprocs", "4"]) == EXIT_OK
+    assert note not in capsys.readouterr().err
+
+
 @pytest.mark.timeout(300)
 def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(tmp_path, capsys):
     # Megatron's --save / --load: 2 steps, saved, then 2 more resumed from the file, print the last
