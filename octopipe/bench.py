@@ -65,6 +65,10 @@ class StepTiming:
     exit_reason: str | None = None
     """Where an `ExitCheck` ended the run before its last step: why (the steps run are
     `len(losses)`), else None."""
+    activation_peak_bytes: tuple[int, ...] = ()
+    """Where asked for (`measure_steps(measure_activations=True)`), per rank: the most activation
+    bytes it held in any timed step (`Engine.activation_peak_bytes`), the measured counterpart of
+    the simulation's `peak_activation_bytes` of its device."""
     grad_norms: tuple[float | None, ...] = ()
     """Per timed step, with `clip_grad`: the gradients' total norm before clipping
     (`Engine.clip_grad_norm_`), else None."""
@@ -376,7 +380,7 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                   save_sharded: bool = False, save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
                   optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
-                  exit_check: ExitCheck | None = None
+                  exit_check: ExitCheck | None = None, measure_activations: bool = False
                   ) -> tuple[list[StepTiming], list[Durations], list[list[float]]]:
     import torch.distributed as dist
 
@@ -393,6 +397,10 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     if save_background:  # (its writer process started now, beside the first steps, not at the first save)
         for engine in engines:
             engine.start_checkpoint_writer()
+    if measure_activations:
+        for engine in engines:
+            engine.measure_activations()
+    held: list[int] = [0 for _ in pipes]
     if resume:  # the whole state: weights, optimizer, fp32 copies, loss scale, dropout streams
         for engine, optimizer_ in zip(engines, optimizers):
             note = resume_keeping_settings(engine, optimizer_, resume, scheduled=lr_schedule is not None)[1]
@@ -462,6 +470,8 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
                 scales[index].append(engine.loss_scaler.scale if engine.loss_scaler is not None else None)
                 skipped[index].append(engine.skipped_step)
                 norms[index].append(norm)
+                if measure_activations:
+                    held[index] = max(held[index], engine.activation_peak_bytes)
             if record and not probe:
                 engine.timeline = None
             if probe:
@@ -501,9 +511,11 @@ def _train_worker(rank: int, world_size: int, pipes: Sequence[Any], inputs: tupl
     for engine in engines:  # (a background save's index: collective)
         engine.finish_checkpoint()
     return [StepTiming(tuple(t), tuple(values), (statistics.median(b),) if b else (), tuple(o), tuple(sc), tuple(sk),
-                       tuple(ev), test, (tr,) if trace else (), exit_reason, tuple(gn))
-            for t, values, b, o, sc, sk, ev, test, tr, gn in zip(times, losses, busy, op_spans, scales, skipped,
-                                                                 evaluations, tests, traced, norms)], durations, link_rounds
+                       tuple(ev), test, (tr,) if trace else (), exit_reason, (peak,) if measure_activations else (),
+                       tuple(gn))
+            for t, values, b, o, sc, sk, ev, test, tr, peak, gn in zip(times, losses, busy, op_spans, scales, skipped,
+                                                                       evaluations, tests, traced, held, norms)
+            ], durations, link_rounds
 
 
 def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -514,7 +526,7 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
                   save_background: bool = False, first_step: int = 0,
                   lr_schedule: LRSchedule | None = None, data: Any = None,
                   optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
-                  exit_check: ExitCheck | None = None) -> StepTiming:
+                  exit_check: ExitCheck | None = None, measure_activations: bool = False) -> StepTiming:
     """Run `warmup + steps` training steps of `pipe` on `pipe.world_size` local processes; the
     step times of rank 0 (each step between two barriers). With a `learning_rate`, each step
     ends with `optimizer` ("sgd" or "adamw"), after clipping the gradients' total norm to
@@ -541,12 +553,14 @@ def measure_steps(pipe: Any, inputs: Sequence[Any], target: Any, *, steps: int =
     record every rank's instructions in the last timed step (the timing's `timelines`).
     `exit_check`: stop after the step it says to (`ExitCheck`; then, with `save`, the checkpoint
     is written there, and the timing's `exit_reason` says why); with `on_signal`, a SIGTERM to
-    this process is passed on to the ranks while they run."""
+    this process is passed on to the ranks while they run. `measure_activations`: every rank
+    measures the activation bytes it holds (the timing's `activation_peak_bytes`)."""
     return _measure([pipe], (), inputs, target, steps, warmup, learning_rate, timeout_s, False, optimizer,
                     clip_grad, update_in_warmup=update_in_warmup, init=init, loss_scaler=loss_scaler,
                     resume=resume, save=save, save_every=save_every, save_sharded=save_sharded,
                     save_background=save_background, first_step=first_step, lr_schedule=lr_schedule,
-                    data=data, optimizer_options=optimizer_options, trace=trace, exit_check=exit_check)[0][0]
+                    data=data, optimizer_options=optimizer_options, trace=trace, exit_check=exit_check,
+                    measure_activations=measure_activations)[0][0]
 
 
 def measure_many(pipes: Sequence[Any], inputs: Sequence[Any], target: Any, *, steps: int = 5, warmup: int = 2,
@@ -596,7 +610,7 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
              save_every: int | None = None, save_sharded: bool = False, save_background: bool = False,
              first_step: int = 0, lr_schedule: LRSchedule | None = None, data: Any = None,
              optimizer_options: Mapping[str, Any] | None = None, trace: bool = False,
-             exit_check: ExitCheck | None = None
+             exit_check: ExitCheck | None = None, measure_activations: bool = False
              ) -> tuple[list[StepTiming], list[list[Durations]], list[float] | None]:
     """Rank 0's step timings, every rank's durations, and with `link` the one-way times of the
     LINK_SIZES messages, ping-ponged after each timed round (the least of the rounds' medians;
@@ -612,12 +626,15 @@ def _measure(pipes: Sequence[Any], probes: Sequence[bool], inputs: Sequence[Any]
                                                             learning_rate, tuple(probes), rewarm, optimizer, clip_grad,
                                                             link, update_in_warmup, init, loss_scaler, resume, save,
                                                             save_every, save_sharded, save_background, first_step,
-                                                            lr_schedule, data, optimizer_options, trace, exit_check),
+                                                            lr_schedule, data, optimizer_options, trace, exit_check,
+                                                            measure_activations),
                          timeout_s=timeout_s, backend="gloo")  # CPU processes, also where GPUs are
     rounds = results[0][2]
     # rank 0's step times, with every rank's busy time and op times where recorded
     timings = [replace(timing, busy_ms=tuple(busy for rank in results for busy in rank[0][index].busy_ms),
                        timelines=tuple(line for rank in results for line in rank[0][index].timelines),
+                       activation_peak_bytes=tuple(peak for rank in results
+                                                   for peak in rank[0][index].activation_peak_bytes),
                        op_ms=tuple({key: ms for rank in results for key, ms in rank[0][index].op_ms[step].items()}
                                    for step in range(len(timing.op_ms))))
                for index, timing in enumerate(results[0][0])]

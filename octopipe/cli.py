@@ -996,7 +996,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                            save_sharded=args.save_sharded, save_background=args.async_save,
                            first_step=args.first_step, lr_schedule=_lr_schedule(args), data=data,
                            optimizer_options=_optimizer_options(args), trace=bool(args.trace),
-                           exit_check=_exit_check(args))
+                           exit_check=_exit_check(args), measure_activations=args.measure_activations)
     _report_training(args, timing, data, board, pipe, cluster)
     return EXIT_OK
 
@@ -1030,10 +1030,26 @@ def _report_training(args: argparse.Namespace, timing: Any, data: Any, board: _B
         _write_trace(args, timing.timelines, pipe.simulation)
     print(f"median step {timing.median_ms:.1f} ms (predicted {pipe.simulation.iteration_ms:.1f} ms from "
           f"{'profiled' if args.profile else 'analytic'} costs)")
+    if timing.activation_peak_bytes:
+        print(_activations_line(timing.activation_peak_bytes, pipe))
     if not args.profile and not args.plan and timing.median_ms > 3 * pipe.simulation.iteration_ms:
         print(f"note: analytic costs price FLOPs and bytes at {cluster.name}'s rates, not this machine's per-op "
               "overheads (large for small models on CPUs); --profile plans with measured costs, and its prediction "
               "is the one to compare", file=sys.stderr)
+
+
+def _activations_line(peaks: list[int] | tuple[int, ...], pipe: Any) -> str:
+    """`train --measure-activations`: each rank's most activation bytes held in a step, beside the
+    simulation's peak for its device (rank r of D replicas is device r // D)."""
+    predicted = pipe.simulation.peak_activation_bytes
+    replicas = pipe.data_parallel
+    ranks = ", ".join(f"rank {rank} {_mib(peak)} (predicted {_mib(predicted[rank // replicas])})"
+                      for rank, peak in enumerate(peaks))
+    return f"activations held at most, in a step: {ranks} MiB"
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.3f}" if size < 2**30 else f"{size / 2**20:,.0f}"
 
 
 LOSS_SCALING = (("--initial-loss-scale", "initial_loss_scale", "init_scale"), ("--loss-scale", "loss_scale", "init_scale"),
@@ -1746,6 +1762,9 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
     log = _StepLog(args, data)
     traced: list[Any] = [()]
     stopped = None
+    held = 0
+    if args.measure_activations:
+        engine.measure_activations()
     for step in range(args.steps):
         if data is not None:  # (each replica its share of the step's batch)
             inputs, target = data.batch(step, engine.replicas.replica)
@@ -1765,6 +1784,8 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
             optimizer.step()
             engine.zero_grad()  # (the weights' gradients: with --bf16-weights the optimizer holds their copies)
         step_ms.append((time.perf_counter() - start) * 1e3)
+        if args.measure_activations:
+            held = max(held, engine.activation_peak_bytes)
         done = args.first_step + step + 1
         # (collective where it asks the time or a signal: every rank, after every step but the last)
         stopped = exit_check.reason(done, device) if exit_check is not None and step + 1 < args.steps else None
@@ -1804,6 +1825,11 @@ def _train_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
         print(f"median step {statistics.median(step_ms):.1f} ms on rank 0 (predicted "
               f"{_ms(first.simulation.iteration_ms)} ms from {'profiled' if args.profile else 'analytic'} costs)",
               flush=True)
+    if args.measure_activations:  # (collective: every rank's peak to rank 0)
+        peaks: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(held, peaks, dst=0)
+        if first is not None and peaks is not None:
+            print(_activations_line(peaks, first), flush=True)
     if rank == 0:
         _print_end(args, args.first_step + len(step_ms), stopped)
     dist.barrier()  # every rank done before any tears its group down (_train_distributed)
@@ -1890,6 +1916,7 @@ def torchrun_command(args: argparse.Namespace) -> str:
                                     ("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
                                     ("--save-sharded", args.save_sharded), ("--async-save", args.async_save),
                                     ("--exit-signal-handler", args.exit_signal_handler),
+                                    ("--measure-activations", args.measure_activations),
                                     ("--profile", args.profile),
                                     ("--quiet", args.quiet)) if on]
     nodes, per_node = max(1, -(-args.nprocs // per_node)), min(args.nprocs, per_node)
@@ -2398,6 +2425,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --save: also write the checkpoint after every N-th step (Megatron's --save-interval); "
                         "each write replaces the file, atomically, unless PATH holds {step}, which becomes the "
                         "steps done (a file per save)")
+    p.add_argument("--measure-activations", action="store_true",
+                   help="measure the activation bytes each rank holds for its backward passes (what autograd "
+                        "saves, the stage inputs and outputs kept from F to B, what B leaves for W; per storage, "
+                        "parameters not counted) and print each rank's most in a step beside the simulation's "
+                        "peak for its device (a Python call per saved tensor)")
     p.add_argument("--tensorboard-dir", metavar="DIR", default=None,
                    help="also write the run's scalars to TensorBoard event files in DIR, by iteration, under "
                         "Megatron's names: lm loss, learning-rate, batch-size, iteration-time (s), loss-scale (fp16), "

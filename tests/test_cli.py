@@ -1266,6 +1266,32 @@ def test_shard_optimizer_with_one_replica_says_it_shards_nothing(tmp_path, capsy
     assert note not in capsys.readouterr().err
 
 
+@pytest.mark.timeout(200)
+def test_train_measure_activations_prints_each_ranks_peak_beside_the_prediction(tmp_path, capsys):
+    # the same engine and plan measure the same bytes locally and under torchrun; rank r of 2
+    # replicas is device r // 2
+    words = ["train", "--model", "llama", "--schedule", "gpipe", "--steps", "2", "--quiet", "--measure-activations"]
+    pattern = re.compile(r"^activations held at most, in a step: (.*) MiB$", re.MULTILINE)
+
+    def peaks(text):
+        found = pattern.search(text)
+        assert found, text[-2000:]
+        return [(int(rank), float(held), float(predicted)) for rank, held, predicted
+                in re.findall(r"rank (\d+) ([\d.]+) \(predicted ([\d.]+)\)", found.group(1))]
+
+    assert main(words) == EXIT_OK
+    local = peaks(capsys.readouterr().out)
+    assert [rank for rank, _, _ in local] == [0, 1] and all(held > 0 and predicted > 0 for _, held, predicted in local)
+    proc = _torchrun(words, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert peaks(proc.stdout) == local
+    assert main([*words, "--data-parallel", "2", "--nprocs", "4"]) == EXIT_OK
+    replicas = peaks(capsys.readouterr().out)
+    assert [held for _, held, _ in replicas] == [held for _, held, _ in local for _ in range(2)]
+    assert main([*words, "--torchrun"]) == EXIT_OK
+    assert capsys.readouterr().out.rstrip().endswith("--measure-activations --quiet")
+
+
 @pytest.mark.timeout(300)
 def test_train_save_and_resume_continue_the_run_on_any_plan_and_under_torchrun(tmp_path, capsys):
     # Megatron's --save / --load: 2 steps, saved, then 2 more resumed from the file, print the last

@@ -127,6 +127,7 @@ from octopipe.ir.program import InstrKind, Instruction, RankProgram
 from octopipe.runtime import amp
 from octopipe.runtime.comm import KIND_ACT, KIND_GRAD, Pending, Transport, tag
 from octopipe.runtime.materialize import Init, checkpoint_state, is_checkpoint, load_named, materialize
+from octopipe.runtime.meter import ActivationMeter, tensors_in
 from octopipe.runtime.stage import StageModule, WeightGradStash, deferred_weight_grads, selective_checkpoint
 from octopipe.runtime.writer import ShardWriter, map_leaves
 
@@ -199,7 +200,8 @@ class _Slot:
     """One (stage, microbatch) in flight: inputs (leaves), outputs, gradients; a recompute stage's
     RNG state and buffers at F."""
 
-    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state", "buffers")
+    __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state", "buffers", "held",
+                 "held_for_w")
 
     def __init__(self, num_outputs: int) -> None:
         self.inputs: list[Tensor] | None = None
@@ -209,6 +211,10 @@ class _Slot:
         self.stash: WeightGradStash | None = None
         self.rng_state: tuple[Tensor, Tensor | None] | None = None
         self.buffers: _BuffersAtForward | None = None
+        self.held: list[Any] = []
+        """With an activation meter: its holds on the inputs and outputs kept from F to B."""
+        self.held_for_w: list[Any] = []
+        """With an activation meter: its holds on what B left for W."""
 
 
 class _BuffersAtForward:
@@ -480,6 +486,7 @@ class Engine:
         instruction's start is when its received inputs were there: waiting for a message is not
         counted as its work."""
         self._inputs_ready = 0.0
+        self._meter: ActivationMeter | None = None
         self._evaluating = False
         self._eval_program: tuple[Instruction, ...] | None = None
         if optimizer is not None:
@@ -656,6 +663,20 @@ class Engine:
         if stepped is None:
             stepped = self._pieces.get(name, self._params[name])
         return stepped
+
+    def measure_activations(self) -> ActivationMeter:
+        """From the next `step` on, measure the activation bytes this rank holds for its backward
+        passes (see `runtime/meter.py`): `activation_peak_bytes` is then the most held during the
+        last step, the measured counterpart of the simulator's `peak_activation_bytes` for this
+        rank's device. It costs a Python call per tensor autograd saves."""
+        if self._meter is None:
+            self._meter = ActivationMeter(self.parameters())
+        return self._meter
+
+    @property
+    def activation_peak_bytes(self) -> int | None:
+        """The most activation bytes held during the last `step` (None unless `measure_activations`)."""
+        return self._meter.peak if self._meter is not None else None
 
     def master_parameters(self) -> dict[str, nn.Parameter]:
         """With `master_weights`: original name -> the fp32 copy the optimizer steps, for this
@@ -1007,6 +1028,9 @@ class Engine:
             chunks = [t.to(self.device, non_blocking=True).chunk(count) for t in batch]
             self._micro = [tuple(chunk[m] for chunk in chunks) for m in range(count)]
         self._slots: dict[tuple[int, int], _Slot] = {}
+        if self._meter is not None and not self._evaluating:
+            self._meter.exclude(self._masters.values())  # (fp32 copies: static memory, as the weights)
+            self._meter.start_step(t for micro in self._micro for t in micro)
         self._inbox: dict[tuple[int, int, int, int], Pending] = {}
         self._outgoing: list[Pending] = []
         self._reductions: list[Pending] = []
@@ -1173,7 +1197,8 @@ class Engine:
         buffers = _BuffersAtForward(slots) if slots is not None else None
         if stage.recompute and slots:
             slot.buffers = buffers
-        with self._stage_random(index):
+        meter = self._meter
+        with self._stage_random(index), meter.saving() if meter is not None else contextlib.nullcontext():
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
                 slot.rng_state = (torch.get_rng_state(),
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
@@ -1182,6 +1207,8 @@ class Engine:
                     slot.outputs = selective_checkpoint(functools.partial(self._run_again_at_b, stage, buffers), args)
                 else:
                     slot.outputs = self._run(stage, args)
+        if meter is not None:
+            slot.held = meter.holds([*args, *slot.outputs])
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
             self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
 
@@ -1225,8 +1252,11 @@ class Engine:
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, self.device)
-            with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers:
+            with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers, \
+                    self._meter.saving() if self._meter is not None else contextlib.nullcontext():
                 slot.outputs = self._run(stage, slot.inputs)
+            if self._meter is not None:
+                slot.held += self._meter.holds(slot.outputs)
         slot.rng_state = None
         slot.buffers = None
 
@@ -1268,6 +1298,8 @@ class Engine:
             slot.stash = WeightGradStash()
             with deferred_weight_grads(slot.stash):
                 torch.autograd.backward(tensors, grads)
+            if self._meter is not None:
+                slot.held_for_w = self._meter.holds(t for _, args in slot.stash.entries for t in tensors_in(args))
         input_grads: list[Tensor | None] = [None] * len(stage.inputs)
         for k, ((kind, a, b), src) in enumerate(zip(self._fetch[index], stage.inputs)):
             if kind == "batch" or not src.spec.requires_grad:
@@ -1287,6 +1319,7 @@ class Engine:
         slot.inputs = None
         slot.outputs = None
         slot.output_grads = []
+        slot.held = []
 
     def _backward(self, i: Instruction) -> None:
         # a full backward is B then W at once: measured on CPU, deferring the split linears'
@@ -1300,6 +1333,7 @@ class Engine:
         if slot.stash is not None:
             slot.stash.run()
             slot.stash = None
+        slot.held_for_w = []
         if self._folded:
             self._fold_grads(i.stage)  # type: ignore[arg-type]
 
