@@ -120,7 +120,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from octopipe.errors import ArgumentError, ExecutionError, OctopipeWarning
 from octopipe.ir.program import InstrKind, Instruction, RankProgram
@@ -201,7 +201,7 @@ class _Slot:
     RNG state and buffers at F."""
 
     __slots__ = ("inputs", "outputs", "output_grads", "input_grads", "stash", "rng_state", "buffers", "held",
-                 "held_for_w")
+                 "held_outputs", "held_for_w", "reads_left", "released")
 
     def __init__(self, num_outputs: int) -> None:
         self.inputs: list[Tensor] | None = None
@@ -212,9 +212,33 @@ class _Slot:
         self.rng_state: tuple[Tensor, Tensor | None] | None = None
         self.buffers: _BuffersAtForward | None = None
         self.held: list[Any] = []
-        """With an activation meter: its holds on the inputs and outputs kept from F to B."""
+        """With an activation meter: its holds on the inputs kept from F to B."""
+        self.held_outputs: list[Any] = []
+        """With an activation meter: its hold on each output (None once released)."""
+        self.reads_left = 0
+        """The consumer stages that have not yet taken F's outputs (a send, or a local F)."""
+        self.released: list[tuple[int, torch.Size, torch.dtype]] = []
+        """Outputs whose data was released once every consumer had them: (index, shape, dtype)."""
         self.held_for_w: list[Any] = []
         """With an activation meter: its holds on what B left for W."""
+
+
+def _releasable_outputs(stage: StageModule) -> tuple[int, ...]:
+    """The outputs of a stage whose data its B does not read: computed by an op of the stage's
+    graph whose only user is the graph's output (not an input passed through, a parameter, or a
+    value other ops of the stage read, which autograd may have saved: releasing its data would
+    change what their backward reads). None for a loss stage or a module that is not an fx graph."""
+    if stage.is_loss or not isinstance(stage.module, fx.GraphModule):
+        return ()
+    output = next((node for node in stage.module.graph.nodes if node.op == "output"), None)
+    if output is None:
+        return ()
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    if len(values) != len(stage.outputs):
+        return ()
+    return tuple(j for j, node in enumerate(values)
+                 if isinstance(node, fx.Node) and node.op in ("call_function", "call_method", "call_module")
+                 and set(node.users) == {output} and values.count(node) == 1)
 
 
 class _BuffersAtForward:
@@ -531,6 +555,7 @@ class Engine:
             self._fetch[index] = fetch
             for producer in stage.producers():
                 self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
+        self._releasable = {index: _releasable_outputs(stage) for index, stage in self.stages.items()}
 
     def _check_example_batch(self, batch: tuple[Any, ...], num_inputs: int, call: str) -> None:
         """Every tensor of the batch is a tensor and, with `batch_specs`, is shaped like the example
@@ -1143,6 +1168,25 @@ class Engine:
                     f"the pipeline was compiled for {spec.shape} {spec.dtype} (what stage {consumer} receives); compile "
                     "with the autocast the engine runs (and the model on the device type it runs on)")
         self._send(tensors, i, KIND_ACT, producer, consumer)
+        self._taken(producer, slot)
+
+    def _taken(self, index: int, slot: _Slot) -> None:
+        """One more consumer has stage `index`'s outputs of this microbatch. Once all have, the
+        data of the outputs its B needs only for their autograd graph (Megatron's
+        deallocate_output_tensor) is released: a stage's outputs, a head's logits, are not held
+        from F to B (the simulator counts only what autograd saves). A message still being sent
+        keeps its own reference until it is."""
+        slot.reads_left -= 1
+        if slot.reads_left > 0 or slot.outputs is None:
+            return
+        for j in self._releasable[index]:
+            tensor = slot.outputs[j]
+            if tensor._base is not None or not (self.stages[index].recompute or tensor.grad_fn is not None):
+                continue  # (a view shares its base's storage; without a graph it is not an activation)
+            slot.released.append((j, tensor.shape, tensor.dtype))
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            if slot.held_outputs:
+                slot.held_outputs[j] = None
 
     def _send_grad(self, i: Instruction) -> None:
         consumer, producer, m = i.stage, i.peer_stage, i.microbatch
@@ -1167,12 +1211,14 @@ class Engine:
         stage = self.stages[index]
         args: list[Tensor] = []
         received: dict[int, list[Tensor]] = {}
+        local: set[int] = set()
         for (kind, a, b), src in zip(self._fetch[index], stage.inputs):
             if kind == "batch":
                 args.append(self._micro[m][a])
                 continue
             if kind == "local":
                 value = self._slots[(a, m)].outputs[b].detach()  # type: ignore[index]
+                local.add(a)
             else:
                 if a not in received:
                     pending = self._inbox.pop((KIND_ACT, a, index, m), None)
@@ -1185,7 +1231,10 @@ class Engine:
                 position = self._recv_layout[(a, index)].index(len(args))
                 value = received[a][position]
             args.append(value.requires_grad_(src.spec.requires_grad) if src.spec.requires_grad else value)
+        for producer in local:
+            self._taken(producer, self._slots[(producer, m)])
         slot = self._slot(index, m)
+        slot.reads_left = len(stage.consumers())
         if self._evaluating:  # no graph to keep and no random stream to advance (dropout is off)
             with amp.autocast(self.autocast, self.device):
                 slot.outputs = self._run(stage, args)
@@ -1208,7 +1257,8 @@ class Engine:
                 else:
                     slot.outputs = self._run(stage, args)
         if meter is not None:
-            slot.held = meter.holds([*args, *slot.outputs])
+            slot.held = meter.holds(args)
+            slot.held_outputs = [meter.hold(t) for t in slot.outputs]
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
             self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
 
@@ -1255,8 +1305,9 @@ class Engine:
             with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers, \
                     self._meter.saving() if self._meter is not None else contextlib.nullcontext():
                 slot.outputs = self._run(stage, slot.inputs)
+            slot.released = []  # (outputs of their own now)
             if self._meter is not None:
-                slot.held += self._meter.holds(slot.outputs)
+                slot.held_outputs = [self._meter.hold(t) for t in slot.outputs]
         slot.rng_state = None
         slot.buffers = None
 
@@ -1282,6 +1333,8 @@ class Engine:
         if stage.recompute:
             # after the gradients arrived: B's measured time (from its inputs' arrival) includes it
             self._recompute(stage, slot)
+        for j, shape, dtype in slot.released:  # (backward checks each gradient's shape against its output's)
+            slot.outputs[j].data = torch.empty(shape, dtype=dtype, device=self.device)
         tensors: list[Tensor] = []
         grads: list[Tensor] = []
         if stage.is_loss:
@@ -1320,6 +1373,8 @@ class Engine:
         slot.outputs = None
         slot.output_grads = []
         slot.held = []
+        slot.held_outputs = []
+        slot.released = []
 
     def _backward(self, i: Instruction) -> None:
         # a full backward is B then W at once: measured on CPU, deferring the split linears'

@@ -1,6 +1,8 @@
 """The activation meter: bytes held per storage while referenced, and on a running engine the
 simulator's activation peaks measured (`Engine.measure_activations`)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -99,3 +101,55 @@ def test_a_running_engine_holds_what_the_simulation_says_by_schedule():
     # GPipe holds all 4 microbatches on each device; 1F1B 2 on the first and 1 on the last
     assert peaks["gpipe"][0] == pytest.approx(2 * peaks["1f1b"][0], rel=0.03)
     assert peaks["gpipe"][1] == pytest.approx(4 * peaks["1f1b"][1], rel=0.03)
+
+
+def _gpipe_peaks(rank, world_size, pipe, inputs, target):
+    peaks = []
+    for release in (True, False):
+        torch.manual_seed(0)
+        engine = pipe.engine(rank, timeout_s=60)
+        if not release:
+            engine._releasable = {index: () for index in engine._releasable}
+        engine.measure_activations()
+        loss = engine.step(inputs, target)
+        peaks.append((engine.activation_peak_bytes, loss, {n: p.grad.clone() for n, p in engine.named_parameters()}))
+        engine.zero_grad()  # (the engines share the stage modules: one process builds both)
+    return peaks
+
+
+@pytest.mark.timeout(120)
+def test_a_sent_output_is_not_held_until_its_backward():
+    # (Megatron's deallocate_output_tensor) GPipe on 2 ranks: the first holds its 4 microbatches'
+    # activations; each output's data goes once it is sent, so at the peak (the last forward,
+    # before its send) 3 outputs fewer than when they were held until B; the same loss and
+    # gradients either way
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=8)
+    target = models.example_target("llama", "tiny", batch_size=8)
+    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpux2"), example_inputs=inputs, example_target=target,
+                            loss_fn=models.lm_loss, num_microbatches=4, schedule="gpipe", quiet=True)
+    (released, loss, grads), (held, loss_held, grads_held) = launch(_gpipe_peaks, 2, (pipe, inputs, target))[0]
+    (output,) = pipe.stages[0].outputs
+    assert held - released == 3 * math.prod(output.shape) * output.dtype.itemsize
+    assert loss == loss_held and all(torch.equal(grads[name], grads_held[name]) for name in grads)
+
+
+def test_only_outputs_no_op_of_the_stage_reads_are_released():
+    from torch import fx
+
+    from octopipe.runtime.engine import _releasable_outputs
+    from octopipe.runtime.stage import StageModule
+
+    class Body(nn.Module):
+        def forward(self, x, y):
+            a = torch.tanh(x)
+            b = a * 2  # a is read inside the stage: kept
+            c = x + y  # read by nothing else: released
+            return a, b, c, x, c  # x: an input passed through; c twice: kept
+
+    module = fx.symbolic_trace(Body())
+    stage = StageModule(index=0, module=module, inputs=(), outputs=tuple(range(5)))  # (outputs: only counted)
+    assert _releasable_outputs(stage) == (1,)
+    assert _releasable_outputs(StageModule(index=0, module=module, inputs=(), outputs=tuple(range(5)),
+                                           is_loss=True)) == ()
