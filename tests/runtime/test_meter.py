@@ -54,6 +54,21 @@ def test_what_autograd_saves_is_held_until_the_backward_frees_it():
     assert meter.live == 0 and meter.peak == 2 * 4 * 32 * 4
 
 
+def _tiny_llama():
+    """The tiny LLaMA's batch of 8 and a compile of it on 2 CPU devices, 4 microbatches."""
+    torch.manual_seed(0)
+    model = models.build("llama", "tiny")
+    inputs = models.example_inputs("llama", "tiny", batch_size=8)
+    target = models.example_target("llama", "tiny", batch_size=8)
+
+    def compiled(**options):
+        return octopipe.compile(model, octopipe.ClusterSpec.preset("cpux2"), example_inputs=inputs,
+                                example_target=target, loss_fn=models.lm_loss, num_microbatches=4, quiet=True,
+                                **options)
+
+    return inputs, target, compiled
+
+
 def _steps(rank, world_size, pipes, inputs, target):
     results = []
     for pipe in pipes:
@@ -73,16 +88,7 @@ def _steps(rank, world_size, pipes, inputs, target):
 def test_a_running_engine_holds_what_the_simulation_says_by_schedule():
     # plans of 2 devices x 4 microbatches (partitions fixed by analytic costs), simulated on costs
     # profiled on this machine (each layer's activation bytes from the same saved-tensor hooks)
-    torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=8)
-    target = models.example_target("llama", "tiny", batch_size=8)
-    cluster = octopipe.ClusterSpec.preset("cpux2")
-
-    def compiled(**options):
-        return octopipe.compile(model, cluster, example_inputs=inputs, example_target=target, loss_fn=models.lm_loss,
-                                num_microbatches=4, quiet=True, **options)
-
+    inputs, target, compiled = _tiny_llama()
     schedules = ("gpipe", "1f1b", "zb-h1")
     plans = {name: compiled(schedule=name).plan for name in schedules}
     profiled = compiled(schedule="gpipe", costs="profile").costs
@@ -123,12 +129,8 @@ def test_a_sent_output_is_not_held_until_its_backward():
     # activations; each output's data goes once it is sent, so at the peak (the last forward,
     # before its send) 3 outputs fewer than when they were held until B; the same loss and
     # gradients either way
-    torch.manual_seed(0)
-    model = models.build("llama", "tiny")
-    inputs = models.example_inputs("llama", "tiny", batch_size=8)
-    target = models.example_target("llama", "tiny", batch_size=8)
-    pipe = octopipe.compile(model, octopipe.ClusterSpec.preset("cpux2"), example_inputs=inputs, example_target=target,
-                            loss_fn=models.lm_loss, num_microbatches=4, schedule="gpipe", quiet=True)
+    inputs, target, compiled = _tiny_llama()
+    pipe = compiled(schedule="gpipe")
     (released, loss, grads), (held, loss_held, grads_held) = launch(_gpipe_peaks, 2, (pipe, inputs, target))[0]
     (output,) = pipe.stages[0].outputs
     assert held - released == 3 * math.prod(output.shape) * output.dtype.itemsize
