@@ -238,7 +238,28 @@ def _releasable_outputs(stage: StageModule) -> tuple[int, ...]:
         return ()
     return tuple(j for j, node in enumerate(values)
                  if isinstance(node, fx.Node) and node.op in ("call_function", "call_method", "call_module")
-                 and set(node.users) == {output} and values.count(node) == 1)
+                 and set(node.users) == {output} and values.count(node) == 1
+                 and not _may_return_its_input(node, stage.module))
+
+
+_RETURNS_SELF = frozenset({"contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda",
+                           "detach", "requires_grad_"})
+"""Tensor methods that may return the very tensor they were called on (a no-op conversion)."""
+
+_AUGMENTED = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior",
+                        "ixor", "ilshift", "irshift"})
+"""In-place operators (`x += y` traces to operator.iadd, or `__iadd__`): they return their left operand."""
+
+
+def _may_return_its_input(node: fx.Node, module: nn.Module) -> bool:
+    """Whether the op may return one of its inputs itself (a no-op conversion, an in-place op,
+    an identity): then the output is another node's value too, which autograd may have saved."""
+    if node.op == "call_module":
+        called = module.get_submodule(str(node.target))
+        return isinstance(called, (nn.Identity, nn.Dropout)) or bool(getattr(called, "inplace", False))
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or name.removeprefix("__").removesuffix("__") in _AUGMENTED
+    return name in _RETURNS_SELF or in_place or bool(node.kwargs.get("inplace"))
 
 
 class _BuffersAtForward:
@@ -1179,9 +1200,11 @@ class Engine:
         slot.reads_left -= 1
         if slot.reads_left > 0 or slot.outputs is None:
             return
+        inputs = {t.untyped_storage().data_ptr() for t in slot.inputs or ()}
         for j in self._releasable[index]:
             tensor = slot.outputs[j]
-            if tensor._base is not None or not (self.stages[index].recompute or tensor.grad_fn is not None):
+            if (tensor._base is not None or tensor.untyped_storage().data_ptr() in inputs
+                    or not (self.stages[index].recompute or tensor.grad_fn is not None)):
                 continue  # (a view shares its base's storage; without a graph it is not an activation)
             slot.released.append((j, tensor.shape, tensor.dtype))
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

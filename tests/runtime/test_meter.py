@@ -144,14 +144,23 @@ def test_only_outputs_no_op_of_the_stage_reads_are_released():
     from octopipe.runtime.stage import StageModule
 
     class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.act = nn.ReLU(inplace=True)
+
         def forward(self, x, y):
             a = torch.tanh(x)
             b = a * 2  # a is read inside the stage: kept
-            c = x + y  # read by nothing else: released
-            return a, b, c, x, c  # x: an input passed through; c twice: kept
+            c = x + y  # read again by the last projection: kept
+            d = self.proj(x)
+            e = torch.sigmoid(d)
+            # (may be d itself, which the sigmoid saved; so may an in-place op or module)
+            f, g, h = d.contiguous(), e.add_(1), self.act(self.proj(y))
+            return a, b, c, x, c, f, g, h, self.proj(c)  # x: an input passed through: kept; b and the last released
 
     module = fx.symbolic_trace(Body())
-    stage = StageModule(index=0, module=module, inputs=(), outputs=tuple(range(5)))  # (outputs: only counted)
-    assert _releasable_outputs(stage) == (1,)
-    assert _releasable_outputs(StageModule(index=0, module=module, inputs=(), outputs=tuple(range(5)),
+    stage = StageModule(index=0, module=module, inputs=(), outputs=tuple(range(9)))  # (outputs: only counted)
+    assert _releasable_outputs(stage) == (1, 8)
+    assert _releasable_outputs(StageModule(index=0, module=module, inputs=(), outputs=tuple(range(9)),
                                            is_loss=True)) == ()
