@@ -1,6 +1,7 @@
 """The activation meter: bytes held per storage while referenced, and on a running engine the
 simulator's activation peaks measured (`Engine.measure_activations`)."""
 
+import copy
 import math
 
 import pytest
@@ -164,3 +165,77 @@ def test_only_outputs_no_op_of_the_stage_reads_are_released():
     assert _releasable_outputs(stage) == (1, 8)
     assert _releasable_outputs(StageModule(index=0, module=module, inputs=(), outputs=tuple(range(9)),
                                            is_loss=True)) == ()
+
+
+class _Block(nn.Module):
+    """A layer ending in an op that may return its input itself, where a stage may end."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(16, 16)
+        self.relu = nn.ReLU(inplace=True)
+        self.identity = nn.Identity()
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.kind == "in-place module":
+            return self.relu(y)
+        if self.kind == "contiguous":
+            return torch.tanh(y).contiguous()
+        if self.kind == "identity":
+            return self.identity(y * 2)
+        if self.kind == "dropout":
+            return self.dropout(torch.sigmoid(y))
+        if self.kind == "to":
+            return torch.tanh(y).to(torch.float32)
+        y += x
+        return y
+
+
+class _Skipping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(kind) for kind in ("contiguous", "in-place module", "identity", "dropout",
+                                                               "to", "+="))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        first = x = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            x = block(x)
+        return self.head(x + first)
+
+
+def _losses_and_grads(rank, world_size, pipes, x, y):
+    results = []
+    for pipe in pipes:
+        engine = pipe.engine(rank, timeout_s=60)
+        results.append((engine.step(x, y), {n: p.grad.clone() for n, p in engine.named_parameters()}))
+        engine.zero_grad()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_released_outputs_train_exactly_where_stages_end_in_ops_that_may_return_their_input():
+    torch.manual_seed(0)
+    model = _Skipping()
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    reference = copy.deepcopy(model)
+    expected = nn.functional.cross_entropy(reference(x), y)
+    expected.backward()
+
+    def compiled(**options):
+        return octopipe.compile(copy.deepcopy(model), octopipe.ClusterSpec.preset("cpux2"), example_inputs=x,
+                                example_target=y, loss_fn=nn.functional.cross_entropy, num_microbatches=4,
+                                quiet=True, **options)
+
+    pipes = [compiled(schedule=name) for name in ("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "dualpipe-v")]
+    pipes.append(compiled(plan=pipes[1].plan.with_recompute([True] * pipes[1].plan.num_stages)))
+    per_rank = launch(_losses_and_grads, 2, (tuple(pipes), x, y), timeout_s=90)
+    for index, pipe in enumerate(pipes):
+        grads = {name: grad for rank in per_rank for name, grad in rank[index][1].items()}
+        assert [rank[index][0] for rank in per_rank] == pytest.approx([expected.item()] * 2, rel=1e-6), pipe.plan
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=f"{pipe.plan}: {name}")
