@@ -12,7 +12,8 @@ B, and what a split B leaves for its W (see `octopipe/runtime/meter.py`). Memory
 does not depend on this machine's speed: the numbers are the same on every run.
 
 Prints, per plan and device, the predicted and measured MiB and the error, then the mean and max
-absolute error over all devices. `--analytic` also prices the same plans with the analytic costs
+absolute error over all devices; and what the device held with the stages' outputs kept until
+their B, as the engine did before it released them once sent (`Engine(release_outputs=False)`). `--analytic` also prices the same plans with the analytic costs
 (`costs="analytic"`, which count activations in 2-byte floats: the bf16 job of a GPU cluster)
 to show how far they are from an fp32 CPU run.
 
@@ -39,18 +40,23 @@ from octopipe.runtime import launch  # noqa: E402
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
 
 
-def _peaks(rank: int, world_size: int, pipes: tuple, inputs: tuple, target: torch.Tensor) -> list[int]:
+def _peaks(rank: int, world_size: int, pipes: tuple, inputs: tuple, target: torch.Tensor) -> list[tuple[int, int]]:
+    """Per pipeline, this rank's peak with its outputs released once sent (the engine's default)
+    and held until B."""
     peaks = []
     for pipe in pipes:
-        torch.manual_seed(0)
-        engine = pipe.engine(rank, timeout_s=120)
-        engine.measure_activations()
-        held = 0
-        for _ in range(2):
-            engine.step(inputs, target)
-            engine.zero_grad()
-            held = max(held, engine.activation_peak_bytes or 0)
-        peaks.append(held)
+        both = []
+        for release in (True, False):
+            torch.manual_seed(0)
+            engine = pipe.engine(rank, timeout_s=120, release_outputs=release)
+            engine.measure_activations()
+            held = 0
+            for _ in range(2):
+                engine.step(inputs, target)
+                engine.zero_grad()
+                held = max(held, engine.activation_peak_bytes or 0)
+            both.append(held)
+        peaks.append((both[0], both[1]))
     return peaks
 
 
@@ -63,8 +69,9 @@ def main() -> None:
     cluster = octopipe.ClusterSpec.preset("cpux2")
     errors: list[float] = []
     analytic_ratios: list[float] = []
-    print(f"{'model':<11} {'plan':<18} {'device':>6} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}"
-          + (f" {'analytic MiB':>13}" if args.analytic else ""))
+    saved: list[float] = []
+    print(f"{'model':<11} {'plan':<18} {'device':>6} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7} "
+          f"{'held to B MiB':>14}" + (f" {'analytic MiB':>13}" if args.analytic else ""))
     for name in args.models:
         model, inputs, target = build(name)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -82,17 +89,20 @@ def main() -> None:
         for index, (label, pipe) in enumerate(pipes.items()):
             analytic = compiled(plan=pipe.plan).simulation.peak_activation_bytes if args.analytic else ()
             for device, predicted in enumerate(pipe.simulation.peak_activation_bytes):
-                held = measured[device][index]
+                held, kept = measured[device][index]
                 error = (predicted - held) / held
                 errors.append(abs(error))
+                saved.append(1 - held / kept)
                 line = (f"{name:<11} {label:<18} {device:>6} {predicted / 2**20:>14.3f} {held / 2**20:>13.3f} "
-                        f"{error:>+7.1%}")
+                        f"{error:>+7.1%} {kept / 2**20:>14.3f}")
                 if args.analytic:
                     analytic_ratios.append(held / analytic[device])
                     line += f" {analytic[device] / 2**20:>13.3f}"
                 print(line, flush=True)
     print(f"\nprofiled costs: mean absolute error {statistics.mean(errors):.1%}, max {max(errors):.1%} "
           f"({len(errors)} devices)")
+    print(f"released outputs: the peak {statistics.mean(saved):.1%} lower on average, at most {max(saved):.1%}, "
+          f"than with outputs held until B")
     if analytic_ratios:
         print(f"analytic costs: measured / predicted {min(analytic_ratios):.2f}-{max(analytic_ratios):.2f} "
               f"(median {statistics.median(analytic_ratios):.2f})")

@@ -753,7 +753,7 @@ class Pipeline:
     def engine(self, rank: int, **options: Any):
         """The runtime Engine of `rank` (its stages and program). Options go to
         `octopipe.runtime.engine.Engine` (timeout_s, device, optimizer, init, loss_weight, autocast,
-        shard_optimizer, overlap_param_gather, master_weights, fp32_grads: see there; loss_weight,
+        shard_optimizer, overlap_param_gather, master_weights, fp32_grads, release_outputs: see there; loss_weight,
         autocast, shard_optimizer, overlap_param_gather, master_weights and fp32_grads default to compile's,
         and an autocast other than compile's is refused: the stages' cross-stage dtypes come from it)."""
         from octopipe.passes.codegen import stages_on

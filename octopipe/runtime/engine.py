@@ -327,6 +327,7 @@ class Engine:
         overlap_param_gather: bool = False,
         master_weights: bool = False,
         fp32_grads: bool | None = None,
+        release_outputs: bool = True,
     ) -> None:
         """`device`: where this rank runs (default: see `_engine_device`: the process's GPU under NCCL, else the
         CPU); its stage modules are moved there (in place: build one engine per process). A model built on the
@@ -355,7 +356,9 @@ class Engine:
         docstring). `fp32_grads` (with `master_weights`, and by default there: Megatron's
         `--accumulate-allreduce-grads-in-fp32`): the bf16 parameters' gradients are accumulated
         over the microbatches, summed across ranks and clipped in fp32 (`main_grads()`), and the
-        master copies step them as they are."""
+        master copies step them as they are. `release_outputs` (default): once every consumer has a
+        stage's outputs of a microbatch, their data is released, not held until its B (Megatron's
+        deallocate_output_tensor; see `_taken`); False holds them, to measure what that saves."""
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1 \
                 or world_size % data_parallel:
             raise ArgumentError(f"rank {rank}: Engine(data_parallel={data_parallel!r}): must be a positive integer that "
@@ -532,6 +535,7 @@ class Engine:
         counted as its work."""
         self._inputs_ready = 0.0
         self._meter: ActivationMeter | None = None
+        self.release_outputs = release_outputs
         self._evaluating = False
         self._eval_program: tuple[Instruction, ...] | None = None
         if optimizer is not None:
@@ -1198,7 +1202,7 @@ class Engine:
         from F to B (the simulator counts only what autograd saves). A message still being sent
         keeps its own reference until it is."""
         slot.reads_left -= 1
-        if slot.reads_left > 0 or slot.outputs is None:
+        if slot.reads_left > 0 or slot.outputs is None or not self.release_outputs:
             return
         inputs = {t.untyped_storage().data_ptr() for t in slot.inputs or ()}
         for j in self._releasable[index]:

@@ -114,9 +114,7 @@ def _gpipe_peaks(rank, world_size, pipe, inputs, target):
     peaks = []
     for release in (True, False):
         torch.manual_seed(0)
-        engine = pipe.engine(rank, timeout_s=60)
-        if not release:
-            engine._releasable = {index: () for index in engine._releasable}
+        engine = pipe.engine(rank, timeout_s=60, release_outputs=release)
         engine.measure_activations()
         loss = engine.step(inputs, target)
         peaks.append((engine.activation_peak_bytes, loss, {n: p.grad.clone() for n, p in engine.named_parameters()}))
