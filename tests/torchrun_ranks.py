@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +94,6 @@ def _serve() -> None:
 
 
 _server: subprocess.Popen[str] | None = None
-_server_lock = threading.Lock()
 
 
 def _started_server() -> subprocess.Popen[str]:
@@ -129,7 +127,7 @@ def run_ranks(words: list[str], cwd: Path, nprocs: int = 2, timeout_s: float = 2
     ranks = [dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                   GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
              for rank in range(nprocs)]
-    with tempfile.TemporaryDirectory(prefix="octopipe-ranks-") as folder, _server_lock:
+    with tempfile.TemporaryDirectory(prefix="octopipe-ranks-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
         out.touch()
         err.touch()

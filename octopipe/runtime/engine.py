@@ -581,6 +581,7 @@ class Engine:
             for producer in stage.producers():
                 self._recv_layout[(producer, index)] = list(stage.inputs_from(producer))
         self._releasable = {index: _releasable_outputs(stage) for index, stage in self.stages.items()}
+        self._consumer_counts = {index: len(stage.consumers()) for index, stage in self.stages.items()}
 
     def _check_example_batch(self, batch: tuple[Any, ...], num_inputs: int, call: str) -> None:
         """Every tensor of the batch is a tensor and, with `batch_specs`, is shaped like the example
@@ -1202,13 +1203,16 @@ class Engine:
         from F to B (the simulator counts only what autograd saves). A message still being sent
         keeps its own reference until it is."""
         slot.reads_left -= 1
-        if slot.reads_left > 0 or slot.outputs is None or not self.release_outputs:
+        releasable = self._releasable[index]
+        if slot.reads_left > 0 or slot.outputs is None or not releasable or not self.release_outputs:
             return
-        inputs = {t.untyped_storage().data_ptr() for t in slot.inputs or ()}
-        for j in self._releasable[index]:
+        recompute = self.stages[index].recompute
+        # (a recomputing stage's outputs have no graph; one may share an input B runs again on)
+        inputs = {t.untyped_storage().data_ptr() for t in slot.inputs or ()} if recompute else set()
+        for j in releasable:
             tensor = slot.outputs[j]
             if (tensor._base is not None or tensor.untyped_storage().data_ptr() in inputs
-                    or not (self.stages[index].recompute or tensor.grad_fn is not None)):
+                    or not (recompute or tensor.grad_fn is not None)):
                 continue  # (a view shares its base's storage; without a graph it is not an activation)
             slot.released.append((j, tensor.shape, tensor.dtype))
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
@@ -1261,7 +1265,7 @@ class Engine:
         for producer in local:
             self._taken(producer, self._slots[(producer, m)])
         slot = self._slot(index, m)
-        slot.reads_left = len(stage.consumers())
+        slot.reads_left = self._consumer_counts[index]
         if self._evaluating:  # no graph to keep and no random stream to advance (dropout is off)
             with amp.autocast(self.autocast, self.device):
                 slot.outputs = self._run(stage, args)
@@ -1273,8 +1277,7 @@ class Engine:
         buffers = _BuffersAtForward(slots) if slots is not None else None
         if stage.recompute and slots:
             slot.buffers = buffers
-        meter = self._meter
-        with self._stage_random(index), meter.saving() if meter is not None else contextlib.nullcontext():
+        with self._stage_random(index), self._metered():
             if stage.recompute:  # keep no autograd graph: the inputs, and the RNG state for B's second forward
                 slot.rng_state = (torch.get_rng_state(),
                                   torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
@@ -1283,11 +1286,15 @@ class Engine:
                     slot.outputs = selective_checkpoint(functools.partial(self._run_again_at_b, stage, buffers), args)
                 else:
                     slot.outputs = self._run(stage, args)
-        if meter is not None:
-            slot.held = meter.holds(args)
-            slot.held_outputs = [meter.hold(t) for t in slot.outputs]
+        if self._meter is not None:
+            slot.held = self._meter.holds(args)
+            slot.held_outputs = [self._meter.hold(t) for t in slot.outputs]
         if stage.is_loss and self._weights[m]:  # a weightless microbatch's loss may be nan (no real token)
             self._loss_sum += slot.outputs[0].detach().float() * self._weights[m]
+
+    def _metered(self) -> contextlib.AbstractContextManager[None]:
+        """Where a forward runs: with an activation meter, what autograd saves is counted."""
+        return self._meter.saving() if self._meter is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _stage_random(self, index: int) -> Iterator[None]:
@@ -1329,8 +1336,7 @@ class Engine:
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, self.device)
-            with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers, \
-                    self._meter.saving() if self._meter is not None else contextlib.nullcontext():
+            with torch.enable_grad(), amp.autocast(self.autocast, self.device), buffers, self._metered():
                 slot.outputs = self._run(stage, slot.inputs)
             slot.released = []  # (outputs of their own now)
             if self._meter is not None:
