@@ -45,7 +45,9 @@ gradient reduction (tied or data-parallel) and takes its weights' bytes x that /
 Memory per device: parameter, gradient and optimizer-state bytes of its stages (a multiple of
 `param_bytes`, default mixed-precision Adam) plus live activations: a stage's activation bytes are
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
-frees all but `weight_memory_fraction` at B's end and the rest at W's end. A stage that recomputes
+leaves at B's end only what its W reads, its layers' `weight_stash_bytes` (the linear layers'
+inputs and output gradients; where a table does not say, `weight_memory_fraction` of their
+activation bytes), and W frees that at its end. A stage that recomputes
 its activations (`Stage.recompute`) holds only its inputs and the outputs it sent from F to B (what
 the runtime keeps); its B allocates the rest again at its start and takes one more forward's time.
 A stage that recomputes selectively (`Stage.selective`) holds its layers' `selective_activation_bytes`
@@ -271,6 +273,20 @@ class StageCosts:
     """Bytes a stage holds per microbatch from its F to its B: its activations, or, where it
     recomputes them, its inputs and the outputs it sends on (then its B allocates the rest again,
     and takes one more F)."""
+    stash_known: tuple[float, ...] = ()
+    """Bytes a stage's split B leaves for its W, summed over its layers whose table says
+    (`LayerCost.weight_stash_bytes`)."""
+    stash_unknown: tuple[float, ...] = ()
+    """The activation bytes of its layers whose table does not: `weight_stash` takes the memory
+    model's share of them."""
+
+    def weight_stash(self, fraction: float) -> tuple[float, ...]:
+        """Bytes each stage's split B leaves for its W (held until W ends): what its layers' table
+        says, and `fraction` (`MemoryModel.weight_memory_fraction`) of the activation bytes of the
+        layers it does not say it for."""
+        if not self.stash_known:
+            return tuple(fraction * value for value in self.activation)
+        return tuple(known + fraction * unknown for known, unknown in zip(self.stash_known, self.stash_unknown))
 
     @classmethod
     def of(cls, boundaries: tuple[int, ...], costs: CostTable, recompute: Sequence[bool] = (),
@@ -327,6 +343,8 @@ class StageCosts:
             params=tuple(costs.range_sum("params", a, b) for a, b in pairs),
             skips=tuple((a, c, size) for (a, c), size in sorted(links.items())),
             held=tuple(held),
+            stash_known=tuple(costs.range_sum("weight_stash", a, b) for a, b in pairs),
+            stash_unknown=tuple(costs.range_sum("weight_stash_unknown", a, b) for a, b in pairs),
         )
 
 
@@ -739,7 +757,7 @@ def _run(
     peak = [0.0] * num_devices
     forward, backward_input, backward_full, weight = sc.forward, sc.backward_input, sc.backward_full, sc.weight
     act_bytes, out_bytes, held = sc.activation, sc.output, sc.held
-    keep_fraction = memory.weight_memory_fraction
+    stash = sc.weight_stash(memory.weight_memory_fraction)
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
     # skip tensors between stages on different devices: F(c) also waits for each one's message,
@@ -885,9 +903,14 @@ def _run(
                     activation[device] += act_bytes[stage] - held[stage]
                     if activation[device] > peak[device]:
                         peak[device] = activation[device]
-                activation[device] -= act_bytes[stage] * ((1.0 - keep_fraction) if is_split[base] else 1.0)
+                if is_split[base]:  # its activations go, what W reads stays (it can be more: output gradients)
+                    activation[device] += stash[stage] - act_bytes[stage]
+                    if activation[device] > peak[device]:
+                        peak[device] = activation[device]
+                else:
+                    activation[device] -= act_bytes[stage]
             else:
-                activation[device] -= act_bytes[stage] * keep_fraction
+                activation[device] -= stash[stage]
             # output transfer
             if kind is kind_f and stage < num_stages - 1:
                 target = stage_device[stage + 1]

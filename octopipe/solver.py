@@ -846,19 +846,21 @@ def _op_ticks(plan: PipelinePlan, costs: CostTable) -> dict[Op, int]:
     return ticks
 
 
-def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], keep: float) -> list[tuple[bool, int]]:
+def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], stash: Sequence[float]
+                   ) -> list[tuple[bool, int]]:
     """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
     them: F takes what its stage holds until B; a recomputing stage's B takes the rest at its start;
-    B frees round((1 - keep) x activation) (all of it without a W) at its end and W the rest, so
-    every microbatch gives back exactly what it took. Integers: the reservoir's units."""
+    B frees its activations at its end but for what it leaves for its W (`stash`, bytes per stage;
+    nothing without a W), and W frees that, so every microbatch gives back exactly what it took.
+    Integers: the reservoir's units."""
     amount = int(round(sc.activation[op.stage]))
     held = int(round(sc.held[op.stage]))
     if op.kind is OpKind.F:
         return [(True, held)]
-    freed_by_b = amount if (op.stage, op.microbatch) not in split else int(round(amount * (1 - keep)))
+    left = int(round(stash[op.stage])) if (op.stage, op.microbatch) in split else 0
     if op.kind is OpKind.B:
-        return [(True, amount - held), (False, -freed_by_b)] if amount != held else [(False, -freed_by_b)]
-    return [(False, freed_by_b - amount)]
+        return [(True, amount - held), (False, left - amount)] if amount != held else [(False, left - amount)]
+    return [(False, -left)]
 
 
 def _ceil_ticks(ms: float) -> int:
@@ -935,7 +937,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
     hint = _integer_schedule(plan, durations, deps)
     hint_end = {op: hint[op] + durations[op] for op in hint}
     horizon = max(hint_end.values())
-    keep = memory.weight_memory_fraction
+    stash = sc.weight_stash(memory.weight_memory_fraction)
     model = cp_model.CpModel()
     start: dict[Op, cp_model.IntVar] = {}
     end: dict[Op, cp_model.LinearExpr] = {}
@@ -959,7 +961,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
             level, times, changes = 0, [], []
             for op in before + middle:
-                for at_start, change in _memory_events(op, sc, split, keep):
+                for at_start, change in _memory_events(op, sc, split, stash):
                     if op in start:
                         times.append(start[op] if at_start else end[op])
                         changes.append(change)
@@ -1043,10 +1045,10 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
                     pending = []
                     previous_fixed = op
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
-            keep = memory.weight_memory_fraction
+            stash = sc.weight_stash(memory.weight_memory_fraction)
             times, changes = [], []
             for op in ops:
-                for at_start, change in _memory_events(op, sc, split, keep):
+                for at_start, change in _memory_events(op, sc, split, stash):
                     times.append(start[op] if at_start else end[op])
                     changes.append(change)
             model.AddReservoirConstraint(times, changes, 0, int(activation_budget[device]) + len(ops))
@@ -1109,9 +1111,9 @@ def solve_joint(
     the stage's last layer's output between the two stages' devices (an element constraint over
     (device pair, layer)), nothing on one device. Ops are optional intervals on each device
     (present when their stage is there) under no-overlap; activation memory is a cumulative per
-    device: a microbatch holds (1 - w) of its stage's activations from F's start to B's end and
-    w to W's end (w = `memory.weight_memory_fraction`), or all of them to B's end without split
-    backward; the parameter, gradient and optimizer bytes of its stages come off the memory limit.
+    device: a microbatch holds its stage's activations from F's start to B's end, and what its B
+    leaves for its W (`CostTable.weight_stash_with(memory.weight_memory_fraction)`) to W's end,
+    or all of them to B's end without split backward; the parameter, gradient and optimizer bytes of its stages come off the memory limit.
     With `split_backward` every (stage, microbatch) has a W op (W right after B costs the same
     time as a full backward and holds no more memory), else none has.
 
@@ -1126,7 +1128,7 @@ def solve_joint(
     num_layers = len(costs)
     max_stages = min(num_layers, max_stages or 2 * p)
     S = max_stages
-    keep = memory.weight_memory_fraction if split_backward else 0.0
+    stash = costs.weight_stash_with(memory.weight_memory_fraction) if split_backward else (0.0,) * num_layers
     forward = [_ticks(x) for x in costs.forward]
     backward = [_ticks(x) for x in (costs.backward_input if split_backward else costs.backward_full)]
     weight = [_ticks(x) for x in costs.weight] if split_backward else [0] * num_layers
@@ -1240,25 +1242,36 @@ def solve_joint(
     if (activation_budget is not None or memory_limit_bytes is not None) and any(activation):
         unit = max(activation) / 1000.0
         act_units = [int(math.ceil(a / unit - 1e-9)) for a in activation]
-        kept_units = [int(math.ceil(a * keep / unit - 1e-9)) for a in activation]
+        stash_units = [int(math.ceil(w / unit - 1e-9)) for w in stash]
+        # a layer's bytes from F to W: what it leaves for W, up to its activations; from F to B the
+        # rest of its activations; from B to W what W reads beyond them (output gradients)
+        kept_units = [min(a, w) for a, w in zip(act_units, stash_units)]
         freed_units = [a - k for a, k in zip(act_units, kept_units)]
+        extra_units = [w - k for w, k in zip(stash_units, kept_units)]
         static = [costs.params[j] * memory.state_bytes_per_param_byte for j in range(num_layers)]
-        held_b, held_w = [], []
+        held_b, held_w, held_bw = [], [], []
         for s in range(S):
             held_b.append(model.NewIntVar(0, sum(freed_units), f"heldb{s}"))
             model.Add(held_b[s] == stage_sum(freed_units, s))
             held_w.append(model.NewIntVar(0, sum(kept_units), f"heldw{s}"))
             model.Add(held_w[s] == stage_sum(kept_units, s))
+            held_bw.append(model.NewIntVar(0, sum(extra_units), f"heldbw{s}"))
+            model.Add(held_bw[s] == stage_sum(extra_units, s))
         for d in range(p):
             intervals, demands = [], []
             for s in range(S):
                 for mb in range(m):
-                    releases = (("B", held_b[s]), ("W", held_w[s])) if split_backward else (("B", held_b[s]),)
-                    for release, held in releases:
-                        length = model.NewIntVar(0, horizon, f"live{s}{release}{mb}_{d}")
-                        model.Add(length == end[release, s, mb] - start["F", s, mb])
+                    spans = [("F", "B", held_b[s])]
+                    if split_backward:
+                        spans.append(("F", "W", held_w[s]))
+                        if any(extra_units):
+                            spans.append(("B", "W", held_bw[s]))
+                    for since, release, held in spans:
+                        opened = start["F", s, mb] if since == "F" else end["B", s, mb]
+                        length = model.NewIntVar(0, horizon, f"live{s}{since}{release}{mb}_{d}")
+                        model.Add(length == end[release, s, mb] - opened)
                         intervals.append(model.NewOptionalIntervalVar(
-                            start["F", s, mb], length, end[release, s, mb], on[s][d], f"m{s}{release}{mb}_{d}"))
+                            opened, length, end[release, s, mb], on[s][d], f"m{s}{since}{release}{mb}_{d}"))
                         demands.append(held)
             limits = []
             if activation_budget is not None:
@@ -1606,7 +1619,7 @@ def _counts_fit(groups: Sequence[tuple[int, int]], start: int, free: Sequence[in
 
 
 def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
-                activation_budget: Sequence[float] | None, keep: float = MemoryModel().weight_memory_fraction) -> float:
+                activation_budget: Sequence[float] | None, stash: Sequence[float] | None = None) -> float:
     """A lower bound on the iteration time of every op order of one structure (its stage costs
     `sc`, recompute flags included, and `placement`) whose activations stay within
     `activation_budget` (bytes per device; None: no limit). Transfers, reductions and the
@@ -1642,6 +1655,7 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
     most = [max(sc.backward_input[s] + sc.weight[s], sc.backward_full[s]) for s in stages]
     all_forward, all_backward = sum(forward), sum(backward)
     held = sc.held or sc.activation
+    stash = sc.weight_stash(MemoryModel().weight_memory_fraction) if stash is None else stash
     reach = list(itertools.accumulate(forward, initial=0.0))[:-1]  # when the forward reaches each stage
     bound = 0.0
     for device in sorted(set(placement)):
@@ -1652,14 +1666,14 @@ def order_bound(sc: StageCosts, placement: Sequence[int], num_microbatches: int,
         room = math.inf if activation_budget is None else activation_budget[device] * (1 + 1e-9) + 1e-6
         early = _fractional_fill([(forward[s], held[s]) for s in own], m, room,
                                  caps=[max(0.0, first_b - reach[s]) for s in own])
-        pending = [(most[s], held[s]) for s in own] + [(sc.weight[s], sc.activation[s] * keep) for s in own]
+        pending = [(most[s], held[s]) for s in own] + [(sc.weight[s], stash[s]) for s in own]
         chain = sum(forward[last:]) + all_backward
         tail = max(0.0,
                    chain - _fractional_fill(pending, m, room) - max(forward[s] for s in own),
                    chain - forward[last] - sum(most[s] for s in own)
                    - _fractional_fill(pending, m - 1, room - sum(held[s] for s in own)))
-        drain = _fractional_fill([(sc.weight[last], sc.activation[last] * keep)] + [(most[s], held[s]) for s in earlier]
-                                 + [(sc.weight[s], sc.activation[s] * keep) for s in earlier],
+        drain = _fractional_fill([(sc.weight[last], stash[last])] + [(most[s], held[s]) for s in earlier]
+                                 + [(sc.weight[s], stash[s]) for s in earlier],
                                  m - 1, room - sum(held[s] for s in earlier))
         tail_b = max(0.0, sum(backward[:last]) - sc.weight[last] - sum(most[s] for s in earlier) - drain)
         for s in own:

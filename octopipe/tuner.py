@@ -300,7 +300,8 @@ def list_schedule(
         forward = [f + extra for f, extra in zip(forward, posting)]
         backward = [b + extra for b, extra in zip(backward, posting)]
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
-    keep = memory.weight_memory_fraction if policy.split_backward else 0.0
+    # what a B leaves for its W, held until the W (nothing without a split)
+    stash = sc.weight_stash(memory.weight_memory_fraction) if policy.split_backward else (0.0,) * structure.num_stages
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
     # a recomputing stage's B takes its activations back at its start: a forward must leave room
@@ -394,7 +395,7 @@ def list_schedule(
                             earliest = ready
                         if ready < earliest_b:
                             earliest_b = ready
-                    elif (recomputing[s] and split and live[device] + activation[s] - held[s] > room
+                    elif (recomputing[s] and split and live[device] + max(activation[s], stash[s]) - held[s] > room
                           and any(next_w[t] < next_b[t] for t in on_device)):
                         b_blocked = True  # (only recomputing stages get here: no cost to the others)
                     else:
@@ -485,7 +486,7 @@ def list_schedule(
             finish = start + backward[s]
             next_b[s] = mb + 1
             b_end[s][mb] = finish
-            live[device] += activation[s] - held[s] - activation[s] * (1.0 - keep)
+            live[device] += stash[s] - held[s]
             if s > 0:
                 target, size, arrivals = placement[s - 1], output[s - 1], g_arrival[s - 1]
         else:
@@ -493,7 +494,7 @@ def list_schedule(
             op = ops_w[s][mb]
             finish = start + weight[s]
             next_w[s] = mb + 1
-            live[device] -= activation[s] * keep
+            live[device] -= stash[s]
         if target >= 0:
             # the message to the neighbouring stage: queued on the link after the op ends; it wakes
             # an idle target at its arrival (not before the target went idle)
@@ -823,7 +824,8 @@ def structure_order_bound(structure: Structure, costs: CostTable, num_microbatch
     from octopipe.solver import order_bound
 
     sc = StageCosts.of(structure.boundaries, costs, structure.recompute, structure.selective)
-    return order_bound(sc, structure.placement, num_microbatches, activation_budget, memory.weight_memory_fraction)
+    return order_bound(sc, structure.placement, num_microbatches, activation_budget,
+                       sc.weight_stash(memory.weight_memory_fraction))
 
 
 def placements(num_devices: int, num_stages: int) -> dict[str, tuple[int, ...]]:

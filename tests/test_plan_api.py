@@ -268,7 +268,7 @@ def test_tied_layers_on_one_device_count_their_parameter_once_in_the_activation_
     cluster = ClusterSpec.preset("h100x2")
     result = octopipe.plan(costs, cluster, 4, activation_limit=20 * mib, quiet=True, time_limit_s=10, effort=0.05)
     assert result.report.chosen_row.fits
-    assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= 20 * mib
+    assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= 20 * mib * (1 + 1e-9)  # (float sums)
     check_result(result, costs, cluster)
 
 

@@ -133,6 +133,25 @@ device 0: 0F0 0F1 0B0 0F2 0B1 0W1 0B2 0W0 0W2
     assert result.peak_memory_bytes == (290,)
 
 
+def test_stated_weight_stash_replaces_the_memory_models_share():
+    # 0F0 0F1 0B0 0F2 0B1 0W1 0B2 0W0 0W2; one layer of 100 activation bytes
+    text = """plan devices=1 microbatches=3 stages=1
+stage 0 layers=0:1 device=0
+device 0: 0F0 0F1 0B0 0F2 0B1 0W1 0B2 0W0 0W2
+"""
+    memory = MemoryModel(weight_memory_fraction=0.5)
+    small = replace(table(1, activation=100), layers=(replace(table(1).layers[0], activation_bytes=100,
+                                                              weight_stash_bytes=10),))
+    # 0F0 0F1 200; 0B0 leaves 10 -> 110; 0F2 210 (peak); 0B1 120; 0W1 110; 0B2 20
+    assert simulate(plan_of(text), small, FREE, memory=memory).peak_activation_bytes == (210,)
+    # a stash larger than the activations (a head: its logits' gradient): B's end is the peak
+    large = small.replace_layers([replace(small.layers[0], weight_stash_bytes=300)])
+    # 0F0 0F1 200; 0B0 400; 0F2 500; 0B1 700 (peak); 0W1 400; 0B2 600; 0W0 300; 0W2 0
+    assert simulate(plan_of(text), large, FREE, memory=memory).peak_activation_bytes == (700,)
+    # a table without it keeps the memory model's share of the activations (250, as above)
+    assert simulate(plan_of(text), table(1, activation=100), FREE, memory=memory).peak_activation_bytes == (250,)
+
+
 def test_deadlock_names_the_waiting_ops_and_marks_the_grid():
     text = """plan devices=2 microbatches=1 stages=2
 stage 0 layers=0:1 device=0

@@ -29,13 +29,14 @@ from octopipe.tuner import Policy, Structure, list_schedule
 FREE = ClusterSpec(num_devices=2, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
 
 
-def table(forward, backward, weight=None, activation=None, output=None):
+def table(forward, backward, weight=None, activation=None, output=None, stash=None):
     n = len(forward)
     return CostTable([
         LayerCost(f"l{i}", forward_ms=forward[i], backward_ms=backward[i],
                   backward_weight_ms=None if weight is None else weight[i],
                   activation_bytes=None if activation is None else activation[i],
-                  output_bytes=None if output is None else output[i])
+                  output_bytes=None if output is None else output[i],
+                  weight_stash_bytes=None if stash is None else stash[i])
         for i in range(n)
     ])
 
@@ -276,8 +277,19 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("costs", TINY)
-@pytest.mark.parametrize("split, max_stages, budget", [(False, 3, None), (False, 3, 5000.0), (True, 2, None)])
+# what each layer's B leaves for its W stated: the middle layer's more than its activations (a
+# head's input and its logits' gradient), the others' less than the memory model's share of them
+STASHED = table([2, 1, 3], [4, 6, 2], weight=[1, 3, 1], activation=[3000, 1000, 2000], output=[0, 0, 0],
+                stash=[500, 2500, 0])
+# the second layer's B leaves twice its activations: under 3000 bytes its device must run each W
+# before the next B (the model's cumulative spans from B to W)
+GROWING = table([1, 1], [3, 3], weight=[1, 1], activation=[1000, 1000], output=[0, 0], stash=[0, 2000])
+
+
+@pytest.mark.parametrize("costs, split, max_stages, budget",
+                         [(costs, *case) for costs in TINY
+                          for case in ((False, 3, None), (False, 3, 5000.0), (True, 2, None))]
+                         + [(STASHED, True, 2, 5000.0), (STASHED, True, 2, 4000.0), (GROWING, True, 2, 3000.0)])
 def test_solve_joint_matches_brute_force(costs, split, max_stages, budget):
     m, p = 2, 2
     expected = brute_force(costs, FREE, m, p, max_stages, split, budget)
@@ -336,11 +348,13 @@ def best_order(costs, cluster, m, bounds, placement, split, budget, recompute=()
     return best
 
 
-def small_structure(layers, placement, recompute_first, output):
+def small_structure(layers, placement, recompute_first, output, stash_share=None):
     """A table of (forward, backward, weight, activation units) layers, one stage per layer on
-    `placement` (cut to the layer count), the first stage recomputing where asked."""
+    `placement` (cut to the layer count), the first stage recomputing where asked; with
+    `stash_share`, each layer's B leaves that share of its activation bytes for its W."""
     costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
-                  activation=[a * 1000 for _, _, _, a in layers], output=[output] * len(layers))
+                  activation=[a * 1000 for _, _, _, a in layers], output=[output] * len(layers),
+                  stash=None if stash_share is None else [round(a * 1000 * stash_share) for _, _, _, a in layers])
     placement = placement[:len(layers)]
     bounds = tuple(range(len(placement))) + (len(layers),)
     recompute = (recompute_first,) + (False,) * (len(placement) - 1)
@@ -352,35 +366,39 @@ def small_structure(layers, placement, recompute_first, output):
                 min_size=2, max_size=3),
        st.sampled_from([((0, 1), 2, True), ((0, 1), 2, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False),
                         ((0, 1), 3, False)]), st.integers(1, 5),
-       st.booleans())
-def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first):
+       st.booleans(), st.sampled_from([None, 0.25, 1.5]))
+def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first, stash_share):
     placement, m, split = shape
-    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=100)
+    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=100,
+                                                          stash_share=stash_share)
     budget = [units * 1000.0] * 2
     exact = best_order(costs, FREE, m, bounds, placement, split, budget, recompute)
     sc = StageCosts.of(bounds, costs, recompute)
-    bound = order_bound(sc, placement, m, budget)
+    stash = sc.weight_stash(MemoryModel().weight_memory_fraction)
+    bound = order_bound(sc, placement, m, budget, stash)
     assert bound <= exact + 1e-6
     # a looser budget never raises it, and without one it is at least every device's release + load
-    assert order_bound(sc, placement, m, None) <= bound + 1e-9
-    assert order_bound(sc, placement, m, [b + 3000 for b in budget]) <= bound + 1e-9
+    assert order_bound(sc, placement, m, None, stash) <= bound + 1e-9
+    assert order_bound(sc, placement, m, [b + 3000 for b in budget], stash) <= bound + 1e-9
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 3), st.integers(1, 4)),
                 min_size=2, max_size=3),
        st.sampled_from([((0, 1), 2, True), ((0, 1), 3, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False)]),
-       st.integers(0, 4), st.booleans())
-@example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False)  # stage 0's W costs nothing
-@example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True)  # the window's last end first
-def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first):
+       st.integers(0, 4), st.booleans(), st.sampled_from([None, 0.25, 1.5]))
+@example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False, None)  # stage 0's W costs nothing
+@example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True, None)  # the window's last end first
+@example([(1, 2, 1, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 1, False, 1.5)  # W holds more than F did
+def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first, stash_share):
     # the CP-SAT order models' memory must allow exactly the orders the simulator's accounting
     # allows: from a one-microbatch-at-a-time hint the whole-order model and a window freeing
     # every op both reach the brute-force best order within the budget, never one over it (a W
     # of zero cost that the window model started at an F's start went after that F, and the
     # plan overdrew the budget: a solution's ops are now read by start, then end)
     placement, m, split = shape
-    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=0)
+    costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=0,
+                                                          stash_share=stash_share)
     kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
     chain = [Op(s, OpKind.F, 0) for s in range(len(placement))] + [
         Op(s, k, 0) for s in reversed(range(len(placement))) for k in kinds[1:]]

@@ -19,7 +19,10 @@ absent: not known, and the planner does not offer it on a stage holding that lay
 and profiling passes leave it out where selective recomputation cannot run the layer: an
 in-place op or a recurrent module, `passes/trace.selective_hazards`).
 Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_bytes` sent to the
-next stage, and `param_bytes` of the layer's parameters (in the training dtype). A missing byte
+next stage, and `param_bytes` of the layer's parameters (in the training dtype).
+`weight_stash_bytes` is what a split backward's B leaves for its W: the inputs and output
+gradients of the linear layers whose weight gradients W computes (absent: not known, and the
+simulator keeps its memory model's `weight_memory_fraction` of the activation bytes). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
 sequence symbol `s` where the costs came from analysis.
 
@@ -67,7 +70,7 @@ MAX_LAYER_MS = 1e9
 _TIME_FIELDS = ("forward_ms", "backward_ms")
 _OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms",
                          "selective_recompute_ms", "forward_no_grad_ms")
-_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes")
+_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes", "weight_stash_bytes")
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -113,6 +116,9 @@ class LayerCost:
     forward_no_grad_ms: float | None = None
     """F on a stage that recomputes its activations: it keeps no autograd graph (its B runs the
     forward again, at `forward_ms`). None: `forward_ms`."""
+    weight_stash_bytes: int | None = None
+    """Bytes a split backward's B leaves for its W (see the module docstring). None: not known,
+    the memory model's `weight_memory_fraction` of `activation_bytes`."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -129,6 +135,7 @@ class LayerCost:
             ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes),
             ("selective_activation_bytes", self.selective_activation_bytes),
             ("selective_recompute_ms", self.selective_recompute_ms), ("forward_no_grad_ms", self.forward_no_grad_ms),
+            ("weight_stash_bytes", self.weight_stash_bytes),
             *(("f." + key, text) for key, text in self.formulas),
         ]
 
@@ -310,6 +317,22 @@ class CostTable:
             else float(layer.selective_activation_bytes) for layer in self.layers))
 
     @property
+    def weight_stash(self) -> tuple[float, ...]:
+        """Bytes each layer's B leaves for its W where the table says (0 where it does not)."""
+        return self._array("weight_stash", (float(layer.weight_stash_bytes or 0) for layer in self.layers))
+
+    @property
+    def weight_stash_unknown(self) -> tuple[float, ...]:
+        """The activation bytes of each layer whose weight stash the table does not say (0 where it
+        does): what the memory model's `weight_memory_fraction` applies to."""
+        return self._array("weight_stash_unknown", (float(layer.activation_bytes or 0) if layer.weight_stash_bytes is None
+                                                    else 0.0 for layer in self.layers))
+
+    def weight_stash_with(self, fraction: float) -> tuple[float, ...]:
+        """Bytes each layer's B leaves for its W: stated, or `fraction` of its activation bytes."""
+        return tuple(known + fraction * unknown for known, unknown in zip(self.weight_stash, self.weight_stash_unknown))
+
+    @property
     def selective_recompute(self) -> tuple[float, ...]:
         """Each layer's B's extra time under selective recomputation, ms (0 where not known)."""
         return self._array("selective_recompute", (layer.selective_recompute_ms or 0.0 for layer in self.layers))
@@ -464,6 +487,7 @@ class CostTable:
                 selective_activation_bytes=reader.optional_int("selective_activation_bytes"),
                 selective_recompute_ms=reader.optional_float("selective_recompute_ms"),
                 forward_no_grad_ms=reader.optional_float("forward_no_grad_ms"),
+                weight_stash_bytes=reader.optional_int("weight_stash_bytes"),
             )
             formulas: list[tuple[str, str]] = []
             for key, value in reader.rest().items():

@@ -47,6 +47,8 @@ integer tensors at their own size; cross-entropy and its log-softmax in fp32, as
 - activation bytes: the tensors autograd saves in the layer's ops that need grad (matmul
   activation operands, inputs of nonlinear elementwise ops and norms, softmax outputs, SDPA q, k,
   v, out, fp32 log-softmax of cross-entropy, dropout masks, indices), each tensor counted once.
+- weight stash bytes (what a split backward's B leaves for W): the inputs (each tensor once) and
+  output gradients of the linear ops the runtime splits (`split_backward.split_operands`).
 - output bytes: the layer's outgoing edges; parameter bytes: num_params * dtype_bytes.
 
 Gradient accumulation (with `num_microbatches` = M > 1, as `compile` passes it): every microbatch
@@ -82,6 +84,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import ArgumentError, OctopipeError
 from octopipe.ir.costs import CostTable, LayerCost
 from octopipe.ir.graph import LayerGraph
+from octopipe.passes.split_backward import split_operands
 from octopipe.passes.trace import ValueInfo, _get_attr, _NodeFailure, kept_buffers, propagate_shapes, selective_hazards
 
 __all__ = [
@@ -109,6 +112,7 @@ FORMULA_NAMES = (
     "backward_weight_flops",
     "backward_weight_bytes",
     "activation_bytes",
+    "weight_stash_bytes",
     "output_bytes",
     "param_bytes",
 )
@@ -565,10 +569,15 @@ class LayerWork:
     that need grad, what PyTorch's selective checkpoint stores for them."""
     recomputed: frozenset[str] = frozenset()
     """Under selective recomputation: the ops B runs again (every op but the heavy ones)."""
+    stash: dict[str, Poly] = field(default_factory=dict)
+    """What a split backward's B leaves for W: the inputs (each tensor once) and output gradients
+    of the linear ops `split_backward` splits."""
 
     def total(self, name: str) -> Poly:
         if name == "activation_bytes":
             return sum(self.saved.values(), Poly())
+        if name == "weight_stash_bytes":
+            return sum(self.stash.values(), Poly())
         if name == "output_bytes":
             return self.output_bytes
         if name == "param_bytes":
@@ -1142,6 +1151,7 @@ def _layer_works(
         ssd_calls: dict[str, tuple[nn.Module, list[fx.Node]]] = {}
         kept = Poly()
         recomputed: set[str] = set()
+        stash: dict[str, Poly] = {}
         for name in layer.nodes:
             node = nodes[name]
             op_name = _op_name(node, gm)
@@ -1164,6 +1174,12 @@ def _layer_works(
                 keep = {k: v * factor for k, v in keep.items()}
             if heavy and pricer.grad(node):
                 kept = kept + pricer.nbytes(node) * factor
+            operands = split_operands(gm, node)
+            if operands is not None and pricer.grad(node) and any(_trains(gm, ref) for ref in operands[1:]):
+                source = operands[0]  # W reads the linear's input and its output's gradient
+                if isinstance(source, fx.Node) and not pricer.is_param(source):
+                    stash[source.name] = pricer.nbytes(source) * factor
+                stash[node.name + ":grad"] = pricer.nbytes(node) * factor
             if not heavy:
                 recomputed.add(node.name)
             ops.append(work)
@@ -1182,8 +1198,15 @@ def _layer_works(
                     edge_bytes[edge.name] = value.numel * _elem_bytes(value.dtype, dtype_bytes)
                     output = output + edge_bytes[edge.name]
         works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes), edge_bytes,
-                               kept, frozenset(recomputed)))
+                               kept, frozenset(recomputed), stash))
     return works
+
+
+def _trains(gm: fx.GraphModule, ref: fx.Node | str | None) -> bool:
+    """Whether the parameter `ref` (a get_attr node or a qualified name) gets a gradient."""
+    if ref is None:
+        return False
+    return bool(getattr(_get_attr(gm, ref if isinstance(ref, str) else str(ref.target)), "requires_grad", False))
 
 
 def _selective_kept(node: fx.Node, op_name: str, gm: fx.GraphModule) -> bool:
@@ -1345,6 +1368,7 @@ def analytic_costs(
                 accumulate_weight_ms=accumulate_weight_ms,
                 activation_bytes=_to_bytes(work.total("activation_bytes").evaluate(batch_size, seq)),
                 selective_activation_bytes=_to_bytes(work.kept_bytes.evaluate(batch_size, seq)),
+                weight_stash_bytes=_to_bytes(work.total("weight_stash_bytes").evaluate(batch_size, seq)),
                 selective_recompute_ms=sum(ms for op, ms in zip(work.ops, forwards) if op.node in work.recomputed),
                 output_bytes=_to_bytes(work.output_bytes.evaluate(batch_size, seq)),
                 param_bytes=layer.num_params * dtype_bytes,

@@ -314,6 +314,7 @@ def _measure(
         )
         backward_ms = input_only_ms = weight_only_ms = accumulate_ms = selective_ms = 0.0
         deferred_share = 0.0
+        stash_bytes = 0
         selective_bytes = 0
         if out_tensors and (act_inputs or params):
             grads = [torch.randn_like(t) for t in out_tensors]
@@ -322,8 +323,8 @@ def _measure(
                 return lambda: torch.autograd.grad(out_tensors, wrt, grads, retain_graph=True, allow_unused=True)
 
             backward_ms = timer(grad_of(act_inputs + params))
-            input_only_ms, weight_only_ms, deferred_share = _split_times(sub, inputs, act_inputs, grads, timer,
-                                                                         autocast_forward)
+            input_only_ms, weight_only_ms, deferred_share, stash_bytes = _split_times(
+                sub, inputs, act_inputs, grads, timer, autocast_forward)
             if params:  # timed whatever the microbatch count: the table can be re-costed for another one
                 accumulate_ms = _accumulate_time(params, timer)
             selective_bytes, selective_ms = _selective(sub, inputs, act_inputs + params, grads, timer, autocast_forward)
@@ -350,6 +351,7 @@ def _measure(
         param_bytes=int(param_bytes),
         selective_activation_bytes=int(selective_bytes),
         selective_recompute_ms=selective_ms,
+        weight_stash_bytes=int(stash_bytes),
     )
 
 
@@ -402,16 +404,19 @@ def _accumulate_time(params: list[torch.Tensor], timer: _Timer) -> float:
 
 
 def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Tensor], grads: list[torch.Tensor],
-                 timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[float, float, float]:
-    """Median ms of B and of W when the layer's backward is split the runtime's way, and the
-    share of the layer's trainable parameter bytes whose gradients W computes; (0, 0, 0) when the
-    rewrite finds no weight to defer."""
+                 timer: _Timer, autocast_forward: Callable[[], Any]) -> tuple[float, float, float, int]:
+    """Median ms of B and of W when the layer's backward is split the runtime's way, the share
+    of the layer's trainable parameter bytes whose gradients W computes, and the bytes B leaves
+    for W (the stash's tensors, per storage, parameters left out: the linear layers' inputs and
+    output gradients, what the engine holds from B to W); (0, 0, 0, 0) when the rewrite finds no
+    weight to defer."""
     from octopipe.passes.split_backward import split_backward
+    from octopipe.runtime.meter import tensors_in
     from octopipe.runtime.stage import WeightGradStash, deferred_weight_grads
 
     split, deferred = split_backward(sub.module)
     if not deferred:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0
     deferred_params = [split.get_parameter(name) for name in deferred]
     deferred_ids = {id(p) for p in deferred_params}
     kept = [p for p in split.parameters() if p.requires_grad and id(p) not in deferred_ids]
@@ -428,7 +433,9 @@ def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Ten
         if cuda:
             torch.cuda.synchronize(timer.device)
 
+    params = {p.untyped_storage().data_ptr() for p in split.parameters()}
     b_times, w_times = [], []
+    stash_bytes = 0
     try:
         for run in range(timer.warmup + timer.repeats):
             stash = WeightGradStash()
@@ -441,6 +448,10 @@ def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Ten
                     torch.autograd.backward(outputs, grads, retain_graph=True)
             sync()
             middle = time.perf_counter()
+            if run == 0:
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for _, args in stash.entries for t in tensors_in(args)}
+                stash_bytes = sum(size for key, size in storages.items() if key not in params)
             stash.run()
             sync()
             end = time.perf_counter()
@@ -450,4 +461,4 @@ def _split_times(sub: LayerModule, inputs: list[Any], act_inputs: list[torch.Ten
     finally:
         for param in deferred_params:  # W accumulated into the model's own .grad: put it back
             param.grad = saved_grads[id(param)]
-    return statistics.median(b_times), statistics.median(w_times), share
+    return statistics.median(b_times), statistics.median(w_times), share, stash_bytes

@@ -150,6 +150,35 @@ def _transposed_parameter(module: nn.Module, node: Any) -> fx.Node | None:
     return weight if isinstance(weight, fx.Node) and _parameter_node(module, weight) else None
 
 
+def split_operands(module: nn.Module, node: fx.Node) -> tuple[Any, Any, Any] | None:
+    """(input, weight get_attr, bias get_attr or None) of `node` in `module`'s graph where it is a
+    linear op `split_backward` splits, else None. A call_module node's weight and bias are given
+    as their qualified names (`split_backward` adds their get_attr nodes)."""
+    if node.op == "call_module":
+        sub = module.get_submodule(str(node.target))
+        if (type(sub).forward is nn.Linear.forward and isinstance(sub, nn.Linear) and not node.kwargs
+                and len(node.args) == 1 and _plain_linear(sub)):
+            return (node.args[0], f"{node.target}.weight", f"{node.target}.bias" if sub.bias is not None else None)
+    elif node.op == "call_function" and node.target in _LINEAR_TARGETS:
+        args = list(node.args) + [None] * (3 - len(node.args))
+        inputs = node.kwargs.get("input", args[0])
+        weight = node.kwargs.get("weight", args[1])
+        bias = node.kwargs.get("bias", args[2])
+        if _parameter_node(module, weight) and (bias is None or _parameter_node(module, bias)):
+            return (inputs, weight, bias)
+    elif node.op == "call_function" and node.target in _MM_TARGETS and len(node.args) == 2 and not node.kwargs:
+        transposed = _transposed_parameter(module, node.args[1])
+        if transposed is not None:
+            return (node.args[0], transposed, None)
+    elif node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3 and not node.kwargs:
+        transposed = _transposed_parameter(module, node.args[2])
+        addend = node.args[0]
+        if (transposed is not None and isinstance(addend, fx.Node) and _parameter_node(module, addend)
+                and _attr(module, str(addend.target)).dim() == 1):
+            return (node.args[1], transposed, addend)
+    return None
+
+
 def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[fx.GraphModule, tuple[str, ...]]:
     """A copy of `module` (same parameter objects and names) with its linear ops split; and the
     qualified names of the parameters whose gradients W computes (in graph order, unique)."""
@@ -162,30 +191,10 @@ def split_backward(module: fx.GraphModule, compile_safe: bool = False) -> tuple[
             return graph.get_attr(target)
 
     for node in list(graph.nodes):
-        replacement: tuple[Any, ...] | None = None
-        if node.op == "call_module":
-            sub = module.get_submodule(str(node.target))
-            if (type(sub).forward is nn.Linear.forward and isinstance(sub, nn.Linear) and not node.kwargs
-                    and len(node.args) == 1 and _plain_linear(sub)):
-                weight = get_attr(node, f"{node.target}.weight")
-                bias = get_attr(node, f"{node.target}.bias") if sub.bias is not None else None
-                replacement = (node.args[0], weight, bias)
-        elif node.op == "call_function" and node.target in _LINEAR_TARGETS:
-            args = list(node.args) + [None] * (3 - len(node.args))
-            inputs = node.kwargs.get("input", args[0])
-            weight = node.kwargs.get("weight", args[1])
-            bias = node.kwargs.get("bias", args[2])
-            if _parameter_node(module, weight) and (bias is None or _parameter_node(module, bias)):
-                replacement = (inputs, weight, bias)
-        elif node.op == "call_function" and node.target in _MM_TARGETS and len(node.args) == 2 and not node.kwargs:
-            transposed = _transposed_parameter(module, node.args[1])
-            if transposed is not None:
-                replacement = (node.args[0], transposed, None)
-        elif node.op == "call_function" and node.target in _ADDMM_TARGETS and len(node.args) == 3 and not node.kwargs:
-            transposed = _transposed_parameter(module, node.args[2])
-            bias = node.args[0]
-            if transposed is not None and _parameter_node(module, bias) and _attr(module, str(bias.target)).dim() == 1:
-                replacement = (node.args[1], transposed, bias)
+        replacement = split_operands(module, node)
+        if replacement is not None and node.op == "call_module":
+            inputs, weight, bias = replacement
+            replacement = (inputs, get_attr(node, weight), get_attr(node, bias) if bias is not None else None)
         if replacement is None:
             continue
         with graph.inserting_before(node):

@@ -91,6 +91,7 @@ def tables(draw):
                 formulas=tuple(formulas.items()),
                 backward_full_ms=draw(st.none() | times),
                 forward_no_grad_ms=draw(st.none() | times),
+                weight_stash_bytes=draw(byte_counts),
             )
         )
     model = draw(st.just("") | names)

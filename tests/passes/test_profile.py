@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from octopipe import CostTable, ExecutionError
+from octopipe import ClusterSpec, CostTable, ExecutionError
 from octopipe.models import MODEL_NAMES, build, config, example_inputs, example_target, lm_loss
+from octopipe.passes.costs import analytic_costs
 from octopipe.passes.profile import layer_modules, profile_costs
 from octopipe.passes.trace import trace
 
@@ -52,6 +53,11 @@ def test_profiles_every_layer_of_the_reference_models(name):
     assert bool(table.skips) == (name == "multimodal")
     for skip in table.skips:
         assert skip.bytes > 0 and table[skip.producer].output_bytes >= skip.bytes
+    # what a split B leaves for W, measured from the stash, is what the analysis counts for it
+    # in fp32: the split linears' inputs (each storage once: q, k, v read one) and output gradients
+    analytic = analytic_costs(graph, ClusterSpec.preset("cpux2"), batch_size=2, dtype_bytes=4)
+    assert [c.weight_stash_bytes for c in table] == [c.weight_stash_bytes for c in analytic]
+    assert any(c.weight_stash_bytes for c in table) and table[-1].weight_stash_bytes == 0  # (the loss has no weight)
 
 
 class Block(nn.Module):
@@ -91,6 +97,9 @@ def test_heavier_layers_measure_more_and_backward_is_at_least_forward():
     for cost in (narrow, wide):
         assert cost.backward_ms >= 0.8 * cost.forward_ms  # B + W is about twice F for matmuls
         assert cost.backward_weight_ms > 0
+    # W reads up's input and output gradient, down's input (relu's output) and output gradient
+    assert narrow.weight_stash_bytes == 8 * 64 * 4 * (128 + 256 + 256 + 128)
+    assert wide.weight_stash_bytes == 8 * 64 * 4 * (128 + 2048 + 2048 + 128)
 
 
 def test_cut_layers_run_in_sequence_reproduce_the_model():
@@ -178,7 +187,7 @@ def test_gradient_accumulation_joins_b_and_w(monkeypatch):
     def split_times(*args):
         share = real_split(*args)[2]
         shares.append(share)
-        return (1.0, 1.0, share) if share else (0.0, 0.0, 0.0)
+        return (1.0, 1.0, share, 0) if share else (0.0, 0.0, 0.0, 0)
 
     monkeypatch.setattr(profile, "_split_times", split_times)
     single = profile_costs(graph, (x,), example_target=y, num_microbatches=1)
