@@ -133,7 +133,7 @@ def plan(
     gain below their error is a coin toss; the report marks the baseline as chosen and says why.
 
     recompute: let the search make stages recompute their activations (F keeps only the stage's
-    inputs and sent outputs, B runs the forward again), or recompute selectively where the costs
+    inputs, B runs the forward again), or recompute selectively where the costs
     say what that holds and costs (`LayerCost.selective_activation_bytes`: F keeps the matmul,
     attention and convolution outputs, B recomputes the cheap ops first): tried where memory holds
     microbatches back, kept only where the plan gets faster or fits; the report lists the stages
@@ -302,7 +302,7 @@ def plan(
     again = [stage.index for stage in best_plan.stages if stage.recompute]
     if again:
         notes.append(f"activation recomputation on stage{'s' if len(again) > 1 else ''} {_ranges(again)} of "
-                     f"{best_plan.num_stages} (their B runs the forward again; until then they hold only their inputs and sent outputs)")
+                     f"{best_plan.num_stages} (their B runs the forward again; until then they hold only their inputs)")
     cheap = [stage.index for stage in best_plan.stages if stage.selective]
     if cheap:
         notes.append(f"selective recomputation on stage{'s' if len(cheap) > 1 else ''} {_ranges(cheap)} of "
@@ -527,44 +527,64 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     one microbatch at a time fits in (stage weights + state + one microbatch's activations within
     `memory_limit`, activations within `activation_budget`), or None; and the least memory and
     activation per device such a plan needs at all (balanced splits)."""
-    _, total, activation = _layer_needs(costs, memory)
+    _, total, activation, sent = _layer_needs(costs, memory)
     p = min(num_devices, len(costs))
-    need_memory = max(sum(total[a:b]) for a, b in _pairs(schedules.balanced_boundaries(total, p)))
-    need_activation = max(sum(activation[a:b]) for a, b in _pairs(schedules.balanced_boundaries(activation, p)))
+
+    def most(values: Sequence[float], bounds: Sequence[int]) -> float:
+        return max(sum(values[a:b]) + sent[b - 1] for a, b in _pairs(bounds))
+
+    def balanced(values: Sequence[float]) -> float:
+        """The need of the split balancing `values`, or balancing them with what each layer would
+        send on, whichever is less."""
+        return min(most(values, schedules.balanced_boundaries(weights, p))
+                   for weights in (values, [v + s for v, s in zip(values, sent)]))
+
+    need_memory = balanced(total)
+    need_activation = balanced(activation)
     cap = math.inf if activation_budget is None else activation_budget
-    found = _contiguous_split(total, activation, p, memory_limit, cap)
+    found = _contiguous_split(total, activation, sent, p, memory_limit, cap)
     if found is None:
         return None, need_memory, need_activation
     bounds = list(found)
-    while len(bounds) - 1 < p:  # split the longest stage until every device has one
-        widest = max(range(len(bounds) - 1), key=lambda s: (bounds[s + 1] - bounds[s], -s))
-        if bounds[widest + 1] - bounds[widest] < 2:
+    tried: set[int] = set()
+    while len(bounds) - 1 < p:  # split the longest stage until every device has one, where both halves fit
+        splittable = [s for s in range(len(bounds) - 1) if bounds[s + 1] - bounds[s] >= 2 and bounds[s] not in tried]
+        if not splittable:
             break
-        bounds.insert(widest + 1, (bounds[widest] + bounds[widest + 1]) // 2)
+        widest = max(splittable, key=lambda s: (bounds[s + 1] - bounds[s], -s))
+        middle = (bounds[widest] + bounds[widest + 1]) // 2
+        halves = [bounds[widest], middle, bounds[widest + 1]]
+        if most(total, halves) <= memory_limit and most(activation, halves) <= cap:
+            bounds.insert(widest + 1, middle)
+        else:
+            tried.add(bounds[widest])
     return tuple(bounds), need_memory, need_activation
 
 
-def _layer_needs(costs: CostTable, memory: MemoryModel) -> tuple[list[float], list[float], list[float]]:
+def _layer_needs(costs: CostTable, memory: MemoryModel) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per layer: its weights, gradients and optimizer state; that plus one microbatch's
-    activations (what its device holds during its backward); its activations."""
+    activations (what its device holds during its backward); its activations; and what a stage
+    ending with it sends on (its outputs, held at its forward's end until sent; none for the last)."""
     static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
     activation = list(costs.activation)
-    return static, [a + b for a, b in zip(static, activation)], activation
+    sent = [*costs.output[:-1], 0.0]
+    return static, [a + b for a, b in zip(static, activation)], activation, sent
 
 
-def _contiguous_split(total: Sequence[float], activation: Sequence[float], p: int, memory_limit: float,
-                      activation_cap: float) -> tuple[int, ...] | None:
+def _contiguous_split(total: Sequence[float], activation: Sequence[float], sent: Sequence[float], p: int,
+                      memory_limit: float, activation_cap: float) -> tuple[int, ...] | None:
     """The fewest contiguous stages, at most `p`, whose layers' `total` (state and one
-    microbatch's activations) fits `memory_limit` and whose `activation` fits `activation_cap`
-    (greedy: each stage takes layers while both fit, which needs the fewest stages), or None."""
+    microbatch's activations) fits `memory_limit` and whose `activation` fits `activation_cap`,
+    each with what its last layer sends on (`sent`) (greedy: each stage takes layers while both
+    fit), or None."""
     bounds, held, acts = [0], 0.0, 0.0
     for i in range(len(total)):
-        if i > bounds[-1] and (held + total[i] > memory_limit or acts + activation[i] > activation_cap):
+        if i > bounds[-1] and (held + total[i] + sent[i] > memory_limit or acts + activation[i] + sent[i] > activation_cap):
             bounds.append(i)
             held = acts = 0.0
         held += total[i]
         acts += activation[i]
-        if held > memory_limit or acts > activation_cap:
+        if held + sent[i] > memory_limit or acts + sent[i] > activation_cap:
             return None
     bounds.append(len(total))
     return tuple(bounds) if len(bounds) - 1 <= p else None
@@ -618,7 +638,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     bounds, need_memory, need_activation = _least_need(costs, num_devices, memory, memory_limit, activation_budget)
     if bounds is not None:
         return bounds, ""
-    static, total, activation = _layer_needs(costs, memory)
+    static, total, activation, sent = _layer_needs(costs, memory)
     shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
     least_memory = max(max(total), (sum(static) - shared) / num_devices)
     least_activation = max(activation)
@@ -626,7 +646,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     cap = math.inf if activation_budget is None else activation_budget
 
     def fits(memory_cap: float, activation_cap: float) -> bool:
-        return _contiguous_split(total, activation, p, memory_cap, activation_cap) is not None
+        return _contiguous_split(total, activation, sent, p, memory_cap, activation_cap) is not None
 
     # what to raise, each with the other limit as given: the least limits a contiguous split (one
     # stage per device, one microbatch in flight) meets, which a plan then always fits (each
@@ -635,7 +655,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     activation_with_memory = _least_limit(lambda limit: fits(memory_limit, limit), sum(activation), need_activation)
     if need_memory > memory_limit:
         # the fewest devices whose contiguous stages meet both limits
-        fewest = _contiguous_split(total, activation, len(costs), memory_limit, cap)
+        fewest = _contiguous_split(total, activation, sent, len(costs), memory_limit, cap)
         more = (f"use {len(fewest) - 1} devices" if fewest is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)" if max(total) > memory_limit else

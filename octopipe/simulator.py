@@ -47,11 +47,14 @@ Memory per device: parameter, gradient and optimizer-state bytes of its stages (
 allocated when its F starts; a full backward frees them at its end; a split backward (B then W)
 leaves at B's end only what its W reads, its layers' `weight_stash_bytes` (the linear layers'
 inputs and output gradients; where a table does not say, `weight_memory_fraction` of their
-activation bytes), and W frees that at its end. A stage that recomputes
-its activations (`Stage.recompute`) holds only its inputs and the outputs it sent from F to B (what
-the runtime keeps); its B allocates the rest again at its start and takes one more forward's time.
+activation bytes), and W frees that at its end. An F's outputs (`output_bytes` of its last layer,
+and skip tensors) are held at its end until they are sent, as the runtime frees them once sent:
+a peak at F's end counts them; where the next stage runs on the same device they are held until
+its F, whose input they become. A stage that recomputes
+its activations (`Stage.recompute`) holds only its inputs from F to B (what the runtime keeps);
+its B allocates the rest again at its start and takes one more forward's time.
 A stage that recomputes selectively (`Stage.selective`) holds its layers' `selective_activation_bytes`
-and its inputs and sent outputs from F to B, and its B takes their `selective_recompute_ms` more.
+and its inputs from F to B, and its B takes their `selective_recompute_ms` more.
 
 Cost: O(ops + transfers), a single pass with a worklist; about 3,000 ops in a few milliseconds.
 """
@@ -271,8 +274,7 @@ class StageCosts:
     per stage pair and microbatch (and their gradients back)."""
     held: tuple[float, ...] = ()
     """Bytes a stage holds per microbatch from its F to its B: its activations, or, where it
-    recomputes them, its inputs and the outputs it sends on (then its B allocates the rest again,
-    and takes one more F)."""
+    recomputes them, its inputs (then its B allocates the rest again, and takes one more F)."""
     stash_known: tuple[float, ...] = ()
     """Bytes a stage's split B leaves for its W, summed over its layers whose table says
     (`LayerCost.weight_stash_bytes`)."""
@@ -318,19 +320,18 @@ class StageCosts:
         output = [max(0.0, value) for value in chain]
         held = list(activation)
         def boundary(stage: int) -> float:
-            """What the stage received and what it sent: kept from F to B whatever it recomputes."""
-            received = (output[stage - 1] if stage else 0.0) + sum(x for (_, c), x in links.items() if c == stage)
-            sent = output[stage] + sum(x for (a, _), x in links.items() if a == stage) if stage + 1 < len(pairs) else 0.0
-            return received + sent
+            """What the stage received: kept from F to B whatever it recomputes (what it sends is
+            held only until sent, as for every stage)."""
+            return (output[stage - 1] if stage else 0.0) + sum(x for (_, c), x in links.items() if c == stage)
 
         for stage, again in enumerate(recompute):
-            if again:  # B runs F again; until then the stage keeps what it received and what it sent
+            if again:  # B runs F again; until then the stage keeps what it received
                 backward_input[stage] += forward[stage]
                 backward_full[stage] += forward[stage]
                 held[stage] = min(boundary(stage), activation[stage])
                 forward[stage] = costs.range_sum("forward_no_grad", *pairs[stage])  # F itself keeps no graph
         for stage, cheap in enumerate(selective):
-            if cheap:  # F keeps the heavy ops' outputs (and its inputs, outputs); B recomputes the rest first
+            if cheap:  # F keeps the heavy ops' outputs (and its inputs); B recomputes the rest first
                 a, b = pairs[stage]
                 extra = costs.range_sum("selective_recompute", a, b)
                 backward_input[stage] += extra
@@ -346,6 +347,18 @@ class StageCosts:
             stash_known=tuple(costs.range_sum("weight_stash", a, b) for a, b in pairs),
             stash_unknown=tuple(costs.range_sum("weight_stash_unknown", a, b) for a, b in pairs),
         )
+
+
+def sent_outputs(sc: StageCosts, placement: Sequence[int]) -> tuple[list[float], list[bool]]:
+    """Per stage, the bytes its F leaves for later stages (its outputs and skip tensors), held
+    from F's end until sent; and whether stage s runs on the device of stage s - 1 (handed[s]),
+    where the outputs of s - 1 are held until the F of s, whose input they become."""
+    num_stages = len(sc.forward)
+    sent = [sc.output[s] if s + 1 < num_stages else 0.0 for s in range(num_stages)]
+    for source, _, size in sc.skips:
+        sent[source] += size
+    handed = [s > 0 and placement[s] == placement[s - 1] for s in range(num_stages)]
+    return sent, handed
 
 
 def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
@@ -758,6 +771,7 @@ def _run(
     forward, backward_input, backward_full, weight = sc.forward, sc.backward_input, sc.backward_full, sc.weight
     act_bytes, out_bytes, held = sc.activation, sc.output, sc.held
     stash = sc.weight_stash(memory.weight_memory_fraction)
+    sent, handed = sent_outputs(sc, stage_device)
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
     # skip tensors between stages on different devices: F(c) also waits for each one's message,
@@ -892,12 +906,19 @@ def _run(
             device_time[device] = finish
             last_op[device] = key
             # memory: allocate at F start (what the stage holds until B: all its activations, or
-            # its inputs and sent outputs where it recomputes the rest at B's start), free at B
+            # its inputs where it recomputes the rest at B's start), free at B
             # end (all or all but W's share) and at W end
             if kind is kind_f:
+                if handed[stage]:  # what the previous stage left for this F is now its input
+                    activation[device] -= out_bytes[stage - 1]
                 activation[device] += held[stage]
                 if activation[device] > peak[device]:
                     peak[device] = activation[device]
+                if sent[stage]:  # its outputs, at its end, until sent (or read by the next F here)
+                    if activation[device] + sent[stage] > peak[device]:
+                        peak[device] = activation[device] + sent[stage]
+                    if stage + 1 < num_stages and handed[stage + 1]:
+                        activation[device] += out_bytes[stage]
             elif kind is kind_b:
                 if held[stage] != act_bytes[stage]:
                     activation[device] += act_bytes[stage] - held[stage]

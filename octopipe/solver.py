@@ -46,7 +46,7 @@ from octopipe.cluster import ClusterSpec
 from octopipe.errors import PlanError
 from octopipe.ir.costs import CostTable
 from octopipe.ir.plan import Op, OpKind, PipelinePlan
-from octopipe.simulator import MemoryModel, SimResult, StageCosts, simulate
+from octopipe.simulator import MemoryModel, SimResult, StageCosts, sent_outputs, simulate
 
 if TYPE_CHECKING:
     from ortools.sat.python import cp_model
@@ -846,20 +846,30 @@ def _op_ticks(plan: PipelinePlan, costs: CostTable) -> dict[Op, int]:
     return ticks
 
 
-def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], stash: Sequence[float]
-                   ) -> list[tuple[bool, int]]:
+def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], stash: Sequence[float],
+                   sent: Sequence[float], handed: Sequence[bool]) -> list[tuple[bool, int]]:
     """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
-    them: F takes what its stage holds until B; a recomputing stage's B takes the rest at its start;
-    B frees its activations at its end but for what it leaves for its W (`stash`, bytes per stage;
-    nothing without a W), and W frees that, so every microbatch gives back exactly what it took.
-    Integers: the reservoir's units."""
-    amount = int(round(sc.activation[op.stage]))
-    held = int(round(sc.held[op.stage]))
+    them: F takes what its stage holds until B, and what it sends on until its end (the
+    simulator's peak at F's end; nothing else runs on the device in between), or, for the next
+    stage on its device, until that stage's F; a recomputing stage's B takes the rest at its
+    start, and what its W reads beyond its activations; B frees its activations at its end but
+    for what it leaves for its W (`stash`, bytes per stage; nothing without a W), and W frees that,
+    so every microbatch gives back exactly what it took (`sent`, `handed`: `simulator.sent_outputs`). Integers: the reservoir's units."""
+    stage = op.stage
+    amount = int(round(sc.activation[stage]))
+    held = int(round(sc.held[stage]))
     if op.kind is OpKind.F:
-        return [(True, held)]
-    left = int(round(stash[op.stage])) if (op.stage, op.microbatch) in split else 0
+        taken = int(round(sc.output[stage - 1])) if handed[stage] else 0
+        kept = int(round(sc.output[stage])) if stage + 1 < len(handed) and handed[stage + 1] else 0
+        sending = int(round(sent[stage]))
+        return [(True, held + sending - taken)] + ([(False, kept - sending)] if sending or kept else [])
+    left = int(round(stash[stage])) if (stage, op.microbatch) in split else 0
     if op.kind is OpKind.B:
-        return [(True, amount - held), (False, left - amount)] if amount != held else [(False, left - amount)]
+        # what W reads beyond the activations (output gradients) from B's start: the simulator's
+        # peak at B's end, before a W of no length at that same instant frees it
+        grows = max(0, left - amount)
+        taken = amount - held + grows
+        return ([(True, taken)] if taken else []) + [(False, left - amount - grows)]
     return [(False, -left)]
 
 
@@ -938,6 +948,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
     hint_end = {op: hint[op] + durations[op] for op in hint}
     horizon = max(hint_end.values())
     stash = sc.weight_stash(memory.weight_memory_fraction)
+    sent, handed = sent_outputs(sc, plan.placement)
     model = cp_model.CpModel()
     start: dict[Op, cp_model.IntVar] = {}
     end: dict[Op, cp_model.LinearExpr] = {}
@@ -961,7 +972,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
             level, times, changes = 0, [], []
             for op in before + middle:
-                for at_start, change in _memory_events(op, sc, split, stash):
+                for at_start, change in _memory_events(op, sc, split, stash, sent, handed):
                     if op in start:
                         times.append(start[op] if at_start else end[op])
                         changes.append(change)
@@ -1046,9 +1057,10 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
                     previous_fixed = op
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
             stash = sc.weight_stash(memory.weight_memory_fraction)
+            sent, handed = sent_outputs(sc, plan.placement)
             times, changes = [], []
             for op in ops:
-                for at_start, change in _memory_events(op, sc, split, stash):
+                for at_start, change in _memory_events(op, sc, split, stash, sent, handed):
                     times.append(start[op] if at_start else end[op])
                     changes.append(change)
             model.AddReservoirConstraint(times, changes, 0, int(activation_budget[device]) + len(ops))
@@ -1264,8 +1276,8 @@ def solve_joint(
                     spans = [("F", "B", held_b[s])]
                     if split_backward:
                         spans.append(("F", "W", held_w[s]))
-                        if any(extra_units):
-                            spans.append(("B", "W", held_bw[s]))
+                        if any(extra_units):  # (a W of no length, its span empty, lets that go
+                            spans.append(("B", "W", held_bw[s]))  # uncounted: W's of a stage take time)
                     for since, release, held in spans:
                         opened = start["F", s, mb] if since == "F" else end["B", s, mb]
                         length = model.NewIntVar(0, horizon, f"live{s}{since}{release}{mb}_{d}")

@@ -45,7 +45,7 @@ memory binds them, and the recomputation moves of step 3 (otherwise only moves t
 recomputation then runs too, exactly as `recompute=False` runs it (its own budget, in the time
 left), and the faster plan wins: allowing recomputation never returns a slower plan than
 forbidding it. A recomputing stage's B takes one more F, and between F and B the stage holds
-only its inputs and sent outputs (see `simulator`).
+only its inputs (see `simulator`).
 
 Under an activation limit a second search runs beside the main one, with its own quarter of the
 budget: every structure list-scheduled with more microbatches in flight than its round trips ask
@@ -100,6 +100,7 @@ from octopipe.simulator import (
     StageCosts,
     iteration_time,
     message_host_ms,
+    sent_outputs,
     simulate,
     static_memory,
 )
@@ -288,7 +289,8 @@ def list_schedule(
 ) -> PipelinePlan:
     """Order every device's ops for `structure` by bubble-aware list scheduling (see module doc).
     The result satisfies the per-device activation budget whenever one microbatch in flight per
-    stage fits it. Raises PlanError when the budget leaves no device anything to run."""
+    stage fits it, with what a forward sends on (held at its end until sent, or until the next
+    stage's forward on the same device). Raises PlanError when the budget leaves no device anything to run."""
     sc, backward, weight = _stage_arrays(structure, costs, policy.split_backward)
     forward, activation, held, output = list(sc.forward), sc.activation, sc.held, sc.output
     num_stages, num_devices, m = structure.num_stages, structure.num_devices, num_microbatches
@@ -302,6 +304,8 @@ def list_schedule(
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
     # what a B leaves for its W, held until the W (nothing without a split)
     stash = sc.weight_stash(memory.weight_memory_fraction) if policy.split_backward else (0.0,) * structure.num_stages
+    # what an F sends on, held at its end until sent (handed[s]: until stage s's F on the same device)
+    sent, handed = sent_outputs(sc, placement)
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
     # a recomputing stage's B takes its activations back at its start: a forward must leave room
@@ -423,7 +427,7 @@ def list_schedule(
                 if nf - nb < caps[s]:
                     if ready >= 0:
                         if ready <= now:
-                            need = live[device] + held[s] + regrow[device]
+                            need = live[device] + held[s] + max(sent[s], regrow[device])
                             if reserve:
                                 for t in on_device:
                                     if t > s and next_f[t] < m:
@@ -477,7 +481,9 @@ def list_schedule(
             finish = start + forward[s]
             next_f[s] = mb + 1
             f_end[s][mb] = finish
-            live[device] += held[s]
+            live[device] += held[s] - (output[s - 1] if handed[s] else 0.0)
+            if s < last_stage and handed[s + 1]:
+                live[device] += output[s]
             if s < last_stage:
                 target, size, arrivals = placement[s + 1], output[s], f_arrival[s + 1]
         elif best_kind is _B:

@@ -76,7 +76,8 @@ def test_a_recomputing_stage_holds_its_inputs_and_pays_a_forward_at_b():
     costs = table(3)
     plan = PipelinePlan.parse(TWO_STAGE)
     sc = StageCosts.of(plan.boundaries, costs, plan.recompute)
-    assert sc.held == (MiB, 10 * MiB)  # stage 0 reads the batch, keeps what it sent; stage 1 keeps everything
+    # stage 0 reads the batch (not counted) and holds what it sends only until sent; stage 1 keeps everything
+    assert sc.held == (0, 10 * MiB)
     assert sc.backward_full == (6.0, 2.0) and sc.forward == (2.0, 1.0)
     plain = simulate(plan.with_recompute([False, False]), costs, FREE)
     again = simulate(plan, costs, FREE)
@@ -84,9 +85,10 @@ def test_a_recomputing_stage_holds_its_inputs_and_pays_a_forward_at_b():
     end = {str(op): t for op, t in again.op_end.items()}
     assert end["0B0"] - start["0B0"] == pytest.approx(6.0)  # 2 ms forward again + 4 ms backward
     assert again.iteration_ms == pytest.approx(plain.iteration_ms + 2 * 2.0)
-    # without: two microbatches of 20 MiB held at once; with: 1 MiB each, then one B's 20 MiB
-    assert plain.peak_activation_bytes[0] == 40 * MiB
-    assert again.peak_activation_bytes[0] == 21 * MiB
+    # without: two microbatches of 20 MiB held at once, and F1's 1 MiB output until sent; with:
+    # nothing held but the output until sent, then one B's 20 MiB
+    assert plain.peak_activation_bytes[0] == 41 * MiB
+    assert again.peak_activation_bytes[0] == 20 * MiB
     assert again.peak_activation_bytes[1] == plain.peak_activation_bytes[1] == 10 * MiB
 
 

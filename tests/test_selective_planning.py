@@ -68,14 +68,15 @@ def test_a_selective_stage_holds_its_kept_outputs_and_pays_its_recomputation_at_
     costs = table(3)
     plan = PipelinePlan.parse(TWO_STAGE).with_recompute([False, False])  # stage 0 selective only
     sc = StageCosts.of(plan.boundaries, costs, plan.recompute, plan.selective)
-    # stage 0: two layers' kept outputs and what it sent on (it reads the batch); stage 1 everything
-    assert sc.held == (2 * 4 * MiB + MiB, 10 * MiB)
+    # stage 0: two layers' kept outputs (it reads the batch, and what it sends is held only until
+    # sent); stage 1 everything
+    assert sc.held == (2 * 4 * MiB, 10 * MiB)
     assert sc.backward_full == (4.5, 2.0) and sc.backward_input[0] == pytest.approx(4.5 - sc.weight[0])
     plain = simulate(plan.with_recompute([False, False], [False, False]), costs, FREE)
     cheap = simulate(plan, costs, FREE)
     assert cheap.iteration_ms == pytest.approx(plain.iteration_ms + 2 * 0.5)  # stage 0's two B's
-    assert plain.peak_activation_bytes[0] == 40 * MiB  # two microbatches' 20 MiB at once
-    assert cheap.peak_activation_bytes[0] == 9 * MiB + 20 * MiB  # one held, then one B's whole 20 MiB
+    assert plain.peak_activation_bytes[0] == 41 * MiB  # two microbatches' 20 MiB at once, and F1's output
+    assert cheap.peak_activation_bytes[0] == 8 * MiB + 20 * MiB  # one held, then one B's whole 20 MiB
     # a table that does not say what selective recomputation keeps cannot price the plan
     with pytest.raises(PlanError, match="recompute selectively, but the cost table"):
         simulate(plan, table(3, kept=None, recompute_ms=None), FREE)

@@ -152,6 +152,30 @@ device 0: 0F0 0F1 0B0 0F2 0B1 0W1 0B2 0W0 0W2
     assert simulate(plan_of(text), table(1, activation=100), FREE, memory=memory).peak_activation_bytes == (250,)
 
 
+def test_what_a_forward_sends_is_held_until_sent_or_until_the_next_stage_reads_it():
+    # two layers of 100 activation bytes, each sending 1000 (a head's logits to a loss stage)
+    costs = table(2, activation=100, output=1000)
+    apart = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+device 0: 0F0 0F1 0B0 0B1
+device 1: 1F0 1B0 1F1 1B1
+"""
+    # device 0: 0F0 holds 100 and its 1000 at its end (1100), 0F1 200 + 1000; the last stage sends nothing
+    assert simulate(plan_of(apart), costs, FREE).peak_activation_bytes == (1200, 100)
+    together = """plan devices=1 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=0
+device 0: 0F0 0F1 1F0 1B0 1F1 1B1 0B0 0B1
+"""
+    # on one device stage 0's outputs are held until stage 1's F reads them: 0F0 0F1 hold
+    # 2 x (100 + 1000), the peak; 1F0 takes one of them as its input (its own 100 saved): 1300
+    result = simulate(plan_of(together), costs, FREE)
+    assert result.peak_activation_bytes == (2200,)
+    # the same order with what each F sends counted nowhere: only the activations
+    assert simulate(plan_of(together), table(2, activation=100), FREE).peak_activation_bytes == (300,)
+
+
 def test_deadlock_names_the_waiting_ops_and_marks_the_grid():
     text = """plan devices=2 microbatches=1 stages=2
 stage 0 layers=0:1 device=0

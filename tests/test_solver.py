@@ -478,14 +478,18 @@ def test_balanced_structure_is_valid_and_deterministic():
         assert len(chosen) == 6 and all(chosen[s] != chosen[s + 1] for s in range(5))
 
 
+REFINE_BUDGET = [5e6] * 4
+"""Room for two microbatches of a stage of `refine_case` (2 x 2e6 bytes) and what an F sends (1e6)."""
+
+
 def refine_case():
     rng = random.Random(5)
     n = 8
     costs = table([rng.uniform(1, 3) for _ in range(n)], [rng.uniform(2, 6) for _ in range(n)],
-                  activation=[1000] * n, output=[10**6] * n)
+                  activation=[10**6] * n, output=[10**6] * n)
     cluster = ClusterSpec.preset("h100x4")
     structure = Structure((0, 2, 4, 6, 8), (0, 1, 2, 3), 4)
-    plan = list_schedule(structure, costs, cluster, 4, Policy(), [4000.0] * 4)
+    plan = list_schedule(structure, costs, cluster, 4, Policy(), REFINE_BUDGET)
     return costs, cluster, plan
 
 
@@ -493,13 +497,13 @@ def test_refine_order_is_never_worse_and_respects_the_budget():
     costs, cluster, plan = refine_case()
     before = simulate(plan, costs, cluster).iteration_ms
     for max_window_ops in (1000, 20):  # the whole order, then windows of it
-        result = refine_order(plan, costs, cluster, work=2, activation_budget=[4000.0] * 4,
+        result = refine_order(plan, costs, cluster, work=2, activation_budget=REFINE_BUDGET,
                               max_window_ops=max_window_ops)
         result.plan.validate(len(costs))
         sim = simulate(result.plan, costs, cluster)
         assert sim.iteration_ms == pytest.approx(result.iteration_ms)
         assert result.iteration_ms <= before + 1e-9
-        assert max(sim.peak_activation_bytes) <= 4000.0 + 1e-6
+        assert max(sim.peak_activation_bytes) <= REFINE_BUDGET[0] + 1e-6
         if result.full_model and result.lower_bound_ms is not None:
             assert result.lower_bound_ms <= result.iteration_ms + 1e-6
 
@@ -512,20 +516,20 @@ def test_refine_order_windows_improve_tables_of_hour_long_layers():
     for scale in (1.0, 1e6):
         rng = random.Random(5)
         costs = table([rng.uniform(1, 3) * scale for _ in range(8)], [rng.uniform(2, 6) * scale for _ in range(8)],
-                      activation=[1000] * 8, output=[10**6] * 8)
+                      activation=[10**6] * 8, output=[10**6] * 8)
         cluster = ClusterSpec.preset("h100x4")
-        plan = list_schedule(Structure((0, 2, 4, 6, 8), (0, 1, 2, 3), 4), costs, cluster, 4, Policy(), [4000.0] * 4)
+        plan = list_schedule(Structure((0, 2, 4, 6, 8), (0, 1, 2, 3), 4), costs, cluster, 4, Policy(), REFINE_BUDGET)
         before = simulate(plan, costs, cluster).iteration_ms
-        result = refine_order(plan, costs, cluster, work=2, activation_budget=[4000.0] * 4, max_window_ops=20)
-        assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= 4000.0
+        result = refine_order(plan, costs, cluster, work=2, activation_budget=REFINE_BUDGET, max_window_ops=20)
+        assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= REFINE_BUDGET[0]
         gains.append(before / result.iteration_ms)
     assert gains[0] > 1.01 and gains[1] > 1.01
 
 
 def test_refine_order_is_deterministic():
     costs, cluster, plan = refine_case()
-    first = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
-    second = refine_order(plan, costs, cluster, work=1, activation_budget=[4000.0] * 4, max_window_ops=30)
+    first = refine_order(plan, costs, cluster, work=1, activation_budget=REFINE_BUDGET, max_window_ops=30)
+    second = refine_order(plan, costs, cluster, work=1, activation_budget=REFINE_BUDGET, max_window_ops=30)
     assert str(first.plan) == str(second.plan)
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octopipe import ClusterSpec, CostTable, LayerCost, PlanError, schedules
-from octopipe.simulator import simulate
+from octopipe.simulator import StageCosts, sent_outputs, simulate
 from octopipe.tuner import (
     POLICIES,
     Policy,
@@ -38,6 +38,20 @@ def random_table(rng, num_layers, heavy_head=True):
     return CostTable(layers)
 
 
+def one_in_flight(costs, structure):
+    """The most a device holds with one microbatch in flight per stage: its stages' activations,
+    the most one of its forwards sends on (held at its end until sent) and the outputs it hands
+    to its own next stage (held until that stage's forward)."""
+    sc = StageCosts.of(structure.boundaries, costs, structure.recompute, structure.selective)
+    sent, handed = sent_outputs(sc, structure.placement)
+    most = 0.0
+    for device in range(structure.num_devices):
+        own = [s for s, d in enumerate(structure.placement) if d == device]
+        most = max(most, sum(sc.activation[s] + (sc.output[s - 1] if handed[s] else 0.0) for s in own)
+                   + max(sent[s] for s in own))
+    return most
+
+
 def limit_1f1b(costs, cluster, m, p):
     plans = schedules.baselines(costs, cluster, m, num_devices=p)
     return max(max(simulate(plan, costs, cluster).peak_activation_bytes)
@@ -56,10 +70,7 @@ def test_list_schedule_gives_valid_plans_within_the_budget(seed, p, laps, m, pol
     structure = Structure(schedules.balanced_partition([1.0] * len(costs), placement), placement, p)
     if recompute:
         structure = structure.with_recompute([rng.random() < 0.6 for _ in placement])
-    one_each = max(sum(costs.range_sum("activation", a, b) for s, (a, b) in
-                       enumerate(zip(structure.boundaries, structure.boundaries[1:])) if placement[s] == d)
-                   for d in range(p))
-    budget = one_each * rng.uniform(1.0, 3.0)
+    budget = one_in_flight(costs, structure) * rng.uniform(1.0, 3.0)
     try:
         plan = list_schedule(structure, costs, CLUSTER, m, policy, [budget] * p)
     except PlanError as exc:
@@ -256,15 +267,17 @@ def test_under_an_activation_limit_more_microbatches_in_flight_than_the_round_tr
     # is taken only where faster
     import octopipe.tuner
 
-    costs, cluster = _v_table(6), CLUSTER.with_devices(4)
+    # (7 blocks: with 6, since the simulator counts what a forward sends until sent, stop 50, the
+    # main search finds the plan it took the deeper one to find before)
+    costs, cluster = _v_table(7), CLUSTER.with_devices(4)
     limit, plans = limit_1f1b(costs, cluster, 8, 4)
     # (the search from the runner-up shape finds a faster plan still here: the test below)
     monkeypatch.setattr(octopipe.tuner, "_add_runner_up_search", lambda *args: None)
-    result = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
+    result = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=2)
     monkeypatch.setattr(octopipe.tuner, "DEEPER_POLICIES", ())
-    without = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=1)
+    without = tune(costs, cluster, 8, activation_budget=[limit] * 4, start_plans=plans, effort=0.05, seed=2)
     assert "deeper in flight" in result.best.origin and "deeper in flight" not in without.best.origin
-    assert result.best.iteration_ms < without.best.iteration_ms - 0.1  # (119.2 vs 119.3 ms here)
+    assert result.best.iteration_ms < without.best.iteration_ms - 0.1  # (133.0 vs 133.4 ms here)
     sim = simulate(result.best.plan, costs, cluster)
     assert sim.iteration_ms == pytest.approx(result.best.iteration_ms)
     assert max(sim.peak_activation_bytes) <= limit * (1 + 1e-9)

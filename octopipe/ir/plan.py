@@ -75,7 +75,7 @@ class Stage:
     layer_end: int
     device: int
     recompute: bool = False
-    """Activation recomputation: F keeps only the stage's inputs and the outputs it sent, B runs
+    """Activation recomputation: F keeps only the stage's inputs, B runs
     the forward again first (B costs one more F; between F and B the stage holds those instead of
     its activations)."""
     selective: bool = False
