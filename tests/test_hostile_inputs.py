@@ -129,7 +129,8 @@ def test_profile_fields_are_checked(tmp_path):
 def test_infeasible_limits_read_in_a_unit_that_shows_them():
     costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=100, output_bytes=10,
                                  param_bytes=10) for i in range(4)])
-    with pytest.raises(octopipe.InfeasibleError, match=r"Raise activation_limit to 200 B, which always works \(to at least 100 B for any plan"):
+    # (two layers' activations and the 10 B the first device's forward sends on, until sent)
+    with pytest.raises(octopipe.InfeasibleError, match=r"Raise activation_limit to 210 B, which always works \(to at least 100 B for any plan"):
         octopipe.plan(costs, "cpux2", 4, quiet=True, time_limit_s=2, activation_limit=1)
     with pytest.raises(octopipe.InfeasibleError, match=r"Raise the memory limit to \d+ B"):
         octopipe.plan(costs, "cpux2", 4, quiet=True, time_limit_s=2, memory_limit_bytes=1)
