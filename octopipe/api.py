@@ -996,7 +996,8 @@ def compile(
     cluster: a ClusterSpec, a preset name ("cpux2", "h100x8") or a spec file. example_inputs: one full batch of model inputs, cut along dim 0 into `num_microbatches`
     equal microbatches. loss_fn(output, target) -> scalar mean loss. example_target: a target
     batch; with it the loss is traced as the last layer (and costed), without it the last stage
-    applies loss_fn. costs: "analytic" (formulas, no run), "profile" (measured on this device, the
+    applies loss_fn. costs: "analytic" (formulas, no run; floats counted at the run's size:
+    autocast's 2 bytes, else the bytes of the dtype the model's weights are held in), "profile" (measured on this device, the
     layers as traced: eager even with compile_stages) or a CostTable. plan: a saved plan (path or
     PipelinePlan) to skip the search. schedule: a baseline name (e.g. "zb-v") with `partition`
     ("balanced" or "uniform"). compile_stages: wrap each stage
@@ -1039,8 +1040,9 @@ def compile(
     weights), for the search's memory limit and the simulation's memory. optimizer: the one the
     job steps (a `simulator.OPTIMIZER_STATE` name, "adamw", "sgd", ...): `memory` then counts its
     state for the model's own weights, in the dtype they are held in, against what the cost table
-    counts per weight (analytic costs count bf16 whatever the model holds), e.g. 8 bytes per
-    counted byte for fp32 AdamW on analytic costs, 4 on costs profiled on the model.
+    counts per weight (analytic costs count the run's float size: autocast's 2 bytes, else the
+    weights' own), e.g. 8 bytes per counted byte for fp32 AdamW under bf16 autocast, 4 for fp32
+    AdamW without it and on costs profiled on the model.
     shard_optimizer: every engine splits the optimizer's state over the `data_parallel` replicas
     (ZeRO-1, Megatron's distributed optimizer; exact: see `runtime/engine.py`): the memory limit
     counts 1/data_parallel of the optimizer's own state per device (`optimizer`'s, else the
@@ -1621,6 +1623,20 @@ def _optimizer_memory(optimizer: str, model: Any, table: CostTable, memory: Memo
                    grad_bytes_per_param_byte=state.grad_bytes_per_param_byte)
 
 
+def _float_bytes(graph: Any, autocast: Any) -> int:
+    """Bytes of a float in the run compile plans: autocast's 16-bit dtype, else the dtype most of
+    the model's floating-point weights are held in (torch's default without any)."""
+    import torch
+
+    if autocast is not None:
+        return int(autocast.itemsize)
+    counts: dict[int, int] = {}
+    for param in graph.module.parameters() if graph.module is not None else ():
+        if param.is_floating_point():
+            counts[param.element_size()] = counts.get(param.element_size(), 0) + param.numel()
+    return max(counts, key=lambda size: (counts[size], size)) if counts else torch.get_default_dtype().itemsize
+
+
 def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: tuple, micro_target: Any,
                seq_dims: Mapping[str, int | None] | None = None, autocast: Any = None,
                num_microbatches: int = 1) -> CostTable:
@@ -1631,7 +1647,7 @@ def _costs_for(costs: str | CostTable, graph: Any, cluster: ClusterSpec, micro: 
 
         batch_size = int(micro[0].shape[0]) if micro and hasattr(micro[0], "shape") and micro[0].dim() else 1
         return analytic_costs(graph, cluster, batch_size=batch_size, seq_dims=seq_dims,
-                              num_microbatches=num_microbatches)
+                              num_microbatches=num_microbatches, dtype_bytes=_float_bytes(graph, autocast))
     if costs == "profile":
         from octopipe.passes.profile import profile_costs
 

@@ -1,6 +1,7 @@
 """octopipe.compile: the pass pipeline, the Pipeline object, IR dumps, saved plans, errors.
 (Exactness of training under every schedule family is tested in tests/runtime.)"""
 
+import copy
 import warnings
 
 import pytest
@@ -378,8 +379,27 @@ def test_analytic_costs_count_the_gradient_accumulation_of_the_step():
     pipe = octopipe.compile(model, "h100x8", num_devices=2, example_inputs=x, example_target=y,
                             loss_fn=models.lm_loss, num_microbatches=4, schedule="1f1b", quiet=True)
     batch = x[0].shape[0] // 4 if isinstance(x, tuple) else x.shape[0] // 4
-    assert pipe.costs == analytic_costs(pipe.graph, pipe.cluster, batch_size=batch, num_microbatches=4)
-    assert pipe.costs != analytic_costs(pipe.graph, pipe.cluster, batch_size=batch)
+    # (floats at 4 bytes: the model's fp32 weights, no autocast)
+    assert pipe.costs == analytic_costs(pipe.graph, pipe.cluster, batch_size=batch, num_microbatches=4, dtype_bytes=4)
+    assert pipe.costs != analytic_costs(pipe.graph, pipe.cluster, batch_size=batch, dtype_bytes=4)
+
+
+def test_analytic_costs_count_floats_at_the_runs_size():
+    # compile's analytic costs count what the run holds: the weights' dtype, or autocast's
+    model, x, y = _tiny("llama")
+
+    def costs(model, **options):
+        return octopipe.compile(model, "h100x8", num_devices=2, example_inputs=x, example_target=y,
+                                loss_fn=models.lm_loss, num_microbatches=4, schedule="1f1b", quiet=True,
+                                **options).costs
+
+    fp32, under_bf16 = costs(model), costs(model, autocast="bf16")
+    bf16_weights = costs(copy.deepcopy(model).bfloat16())
+    assert [c.param_bytes for c in fp32] == [2 * c.param_bytes for c in under_bf16]
+    # (the embedding's saved token ids and the loss's fp32 log-softmax keep their size)
+    blocks = [i for i, c in enumerate(fp32) if c.kind == "block"]
+    assert blocks and all(fp32[i].activation_bytes == 2 * under_bf16[i].activation_bytes > 0 for i in blocks)
+    assert [c.activation_bytes for c in bf16_weights] == [c.activation_bytes for c in under_bf16]
 
 
 def test_what_a_second_user_audit_found_is_fixed(tmp_path):

@@ -118,15 +118,15 @@ def test_compile_sizes_the_optimizers_state_from_the_models_own_weights():
         return octopipe.compile(model, "cpux2", example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                                 num_microbatches=2, costs=costs, schedule="1f1b", quiet=True, optimizer="adamw")
 
-    # analytic costs count every weight at 2 bytes (bf16); the model holds 4: fp32 AdamW keeps
-    # 16 bytes per weight (weight, gradient, two moments), 8 per byte the table counts
+    # analytic costs count the weights as the run holds them, 4 bytes (fp32, no autocast): fp32
+    # AdamW keeps 16 bytes per weight (weight, gradient, two moments), 4 per byte the table counts
     pipe = compiled("analytic")
-    assert pipe.simulation.memory.state_bytes_per_param_byte == pytest.approx(8.0)
-    # a table that counts the model's own 4 bytes per weight (as one profiled on it does): 4
+    assert pipe.simulation.memory.state_bytes_per_param_byte == pytest.approx(4.0)
+    # a table that counts 2 bytes per weight (a bf16 job's, as analytic costs under autocast): 8
     analytic = pipe.costs
-    fp32 = analytic.replace_layers(replace(layer, param_bytes=2 * layer.param_bytes) for layer in analytic)
-    fp32 = replace(fp32, tied=tuple(replace(tied, bytes=2 * tied.bytes) for tied in analytic.tied), _derived={})
-    assert compiled(fp32).simulation.memory.state_bytes_per_param_byte == pytest.approx(4.0)
+    bf16 = analytic.replace_layers(replace(layer, param_bytes=layer.param_bytes // 2) for layer in analytic)
+    bf16 = replace(bf16, tied=tuple(replace(tied, bytes=tied.bytes // 2) for tied in analytic.tied), _derived={})
+    assert compiled(bf16).simulation.memory.state_bytes_per_param_byte == pytest.approx(8.0)
     with pytest.raises(ArgumentError, match="optimizer= .* or memory= .* not both"):
         octopipe.compile(model, "cpux2", example_inputs=x, example_target=y, loss_fn=models.lm_loss,
                          num_microbatches=2, schedule="1f1b", quiet=True, optimizer="sgd",
