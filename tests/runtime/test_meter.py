@@ -90,7 +90,7 @@ def test_a_running_engine_holds_what_the_simulation_says_by_schedule():
     # plans of 2 devices x 4 microbatches (partitions fixed by analytic costs), simulated on costs
     # profiled on this machine (each layer's activation bytes from the same saved-tensor hooks)
     inputs, target, compiled = _tiny_llama()
-    schedules = ("gpipe", "1f1b", "zb-h1")
+    schedules = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     plans = {name: compiled(schedule=name).plan for name in schedules}
     profiled = compiled(schedule="gpipe", costs="profile").costs
     pipes = {name: compiled(plan=plans[name], costs=profiled) for name in schedules}
@@ -102,9 +102,10 @@ def test_a_running_engine_holds_what_the_simulation_says_by_schedule():
             assert live == 0, (name, rank)  # nothing held after a step
             assert steps[0] == steps[1] > 0, (name, rank)  # the same each step
             predicted = pipes[name].simulation.peak_activation_bytes[rank]
-            # (held storages, not bytes per saved view as the profile counts; a split B leaves
-            # its W the linear layers' inputs and output gradients, not 32/34 of the layer)
-            assert 0.8 * predicted <= steps[0] <= 1.05 * predicted, (name, rank, steps[0], predicted)
+            # (held storages, not bytes per saved view as the profile counts: 0.94-0.97 here; the
+            # simulator counts what a split B leaves its W as the profile measured it, and an F's
+            # outputs until sent or read by the next stage on the same device)
+            assert 0.9 * predicted <= steps[0] <= 1.02 * predicted, (name, rank, steps[0], predicted)
     # GPipe holds all 4 microbatches on each device; 1F1B 2 on the first and 1 on the last
     assert peaks["gpipe"][0] == pytest.approx(2 * peaks["1f1b"][0], rel=0.03)
     assert peaks["gpipe"][1] == pytest.approx(4 * peaks["1f1b"][1], rel=0.03)
