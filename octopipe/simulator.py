@@ -772,6 +772,14 @@ def _run(
     act_bytes, out_bytes, held = sc.activation, sc.output, sc.held
     stash = sc.weight_stash(memory.weight_memory_fraction)
     sent, handed = sent_outputs(sc, stage_device)
+    # per stage, what an F adds (what it holds to B, less the input the previous stage left it on
+    # this device), what it sends on (held at its end: a peak there), what stays for the next
+    # stage's F on this device; what a B takes back at its start (a recomputing stage) and adds
+    # at its end with a split (what W reads, less its activations)
+    f_adds = [held[s] - (out_bytes[s - 1] if handed[s] else 0.0) for s in range(num_stages)]
+    f_leaves = [out_bytes[s] if s + 1 < num_stages and handed[s + 1] else 0.0 for s in range(num_stages)]
+    b_regrows = [act_bytes[s] - held[s] for s in range(num_stages)]
+    b_split_end = [stash[s] - act_bytes[s] for s in range(num_stages)]
     latency_ms = cluster.latency_s * 1e3
     overhead = cluster.op_overhead_ms
     # skip tensors between stages on different devices: F(c) also waits for each one's message,
@@ -909,27 +917,25 @@ def _run(
             # its inputs where it recomputes the rest at B's start), free at B
             # end (all or all but W's share) and at W end
             if kind is kind_f:
-                if handed[stage]:  # what the previous stage left for this F is now its input
-                    activation[device] -= out_bytes[stage - 1]
-                activation[device] += held[stage]
-                if activation[device] > peak[device]:
-                    peak[device] = activation[device]
-                if sent[stage]:  # its outputs, at its end, until sent (or read by the next F here)
-                    if activation[device] + sent[stage] > peak[device]:
-                        peak[device] = activation[device] + sent[stage]
-                    if stage + 1 < num_stages and handed[stage + 1]:
-                        activation[device] += out_bytes[stage]
+                # (the input the previous stage left here is the F's now; its outputs are held at
+                # its end until sent, or until the next F here reads them: sent >= 0)
+                level = activation[device] + f_adds[stage]
+                if level + sent[stage] > peak[device]:
+                    peak[device] = level + sent[stage]
+                activation[device] = level + f_leaves[stage]
             elif kind is kind_b:
-                if held[stage] != act_bytes[stage]:
-                    activation[device] += act_bytes[stage] - held[stage]
-                    if activation[device] > peak[device]:
-                        peak[device] = activation[device]
+                level = activation[device]
+                if b_regrows[stage]:
+                    level += b_regrows[stage]
+                    if level > peak[device]:
+                        peak[device] = level
                 if is_split[base]:  # its activations go, what W reads stays (it can be more: output gradients)
-                    activation[device] += stash[stage] - act_bytes[stage]
-                    if activation[device] > peak[device]:
-                        peak[device] = activation[device]
+                    level += b_split_end[stage]
+                    if level > peak[device]:
+                        peak[device] = level
                 else:
-                    activation[device] -= act_bytes[stage]
+                    level -= act_bytes[stage]
+                activation[device] = level
             else:
                 activation[device] -= stash[stage]
             # output transfer

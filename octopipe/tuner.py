@@ -312,6 +312,12 @@ def list_schedule(
     # for the largest such B on its device (none where every stage holds at least its activations
     # from F to B: a selective stage can hold more, its inputs and outputs beside what it keeps)
     regrow = [max([0.0] + [activation[s] - held[s] for s in stages_of[d]]) for d in range(num_devices)]
+    # an F needs room for what it holds and, at its end, what it sends on (or later that B);
+    # it keeps what it holds, less the input the previous stage left on this device, and what it
+    # leaves the next stage's F here
+    f_need = [held[s] + max(sent[s], regrow[placement[s]]) for s in range(num_stages)]
+    f_keeps = [held[s] - (output[s - 1] if handed[s] else 0.0)
+               + (output[s] if s + 1 < num_stages and handed[s + 1] else 0.0) for s in range(num_stages)]
     # W ops a stage may keep waiting: a global limit, or (zero-bubble H1 style) as many as its
     # device's rank in the pipeline, so the devices that finish last keep W for their drain
     rank_of = sorted(range(num_devices), key=lambda d: (stages_of[d][0] if stages_of[d] else num_stages, d))
@@ -427,7 +433,7 @@ def list_schedule(
                 if nf - nb < caps[s]:
                     if ready >= 0:
                         if ready <= now:
-                            need = live[device] + held[s] + max(sent[s], regrow[device])
+                            need = live[device] + f_need[s]
                             if reserve:
                                 for t in on_device:
                                     if t > s and next_f[t] < m:
@@ -481,9 +487,7 @@ def list_schedule(
             finish = start + forward[s]
             next_f[s] = mb + 1
             f_end[s][mb] = finish
-            live[device] += held[s] - (output[s - 1] if handed[s] else 0.0)
-            if s < last_stage and handed[s + 1]:
-                live[device] += output[s]
+            live[device] += f_keeps[s]
             if s < last_stage:
                 target, size, arrivals = placement[s + 1], output[s], f_arrival[s + 1]
         elif best_kind is _B:
