@@ -7,15 +7,18 @@ profile the layers on this machine (`costs="profile"`: each layer's activation b
 autograd saves in its forward, by saved-tensor hooks), then compile plans on that table (GPipe,
 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipe-V, 1F1B with every stage recomputing, OctoPipe's
 own) and run each for 2 steps with the meter on. The meter counts per storage what each rank
-really holds for its backward passes: saved tensors, the stage inputs and outputs kept from F to
-B, and what a split B leaves for its W (see `octopipe/runtime/meter.py`). Memory, unlike time,
-does not depend on this machine's speed: the numbers are the same on every run.
+really holds for its backward passes: saved tensors, the stage inputs kept from F to B, the
+outputs until sent, and what a split B leaves for its W (see `octopipe/runtime/meter.py`). The
+simulator counts the same (see `octopipe/simulator.py`): each layer's saved bytes and what its
+split B leaves its W, both profiled, and each F's outputs until sent. Memory, unlike time, does
+not depend on this machine's speed, but the profiled times (so the balanced partitions and
+OctoPipe's plans) vary a little from run to run.
 
 Prints, per plan and device, the predicted and measured MiB and the error, then the mean and max
 absolute error over all devices; and what the device held with the stages' outputs kept until
-their B, as the engine did before it released them once sent (`Engine(release_outputs=False)`). `--analytic` also prices the same plans with the analytic costs
-(`costs="analytic"`, which count activations in 2-byte floats: the bf16 job of a GPU cluster)
-to show how far they are from an fp32 CPU run.
+their B, as the engine did before it released them once sent (`Engine(release_outputs=False)`).
+`--analytic` also prices the same plans with the analytic costs (`costs="analytic"`, which count
+floats at the run's size, 4 bytes here) to show how far the formulas are from what the run holds.
 
     python benchmarks/memory_fidelity.py [--models ...] [--analytic]
 """

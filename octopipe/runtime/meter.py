@@ -1,8 +1,9 @@
 """What a rank really holds for its backward passes: `ActivationMeter`.
 
 The simulator's memory model (see `octopipe/simulator.py`) says each device holds a stage's
-activation bytes from the start of its F to the end of its B (all but W's share with a split
-backward, the rest until W), and the planner keeps plans under an activation limit by it. The
+activation bytes from the start of its F to the end of its B (with a split backward, what its W
+reads until W) and its outputs from F's end until sent, and the planner keeps plans under an
+activation limit by it. The
 meter measures the same quantity on a running engine (`Engine.measure_activations()`), so the
 prediction can be checked against real steps on any device, CPU included:
 
