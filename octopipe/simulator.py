@@ -914,8 +914,8 @@ def _run(
             device_time[device] = finish
             last_op[device] = key
             # memory: allocate at F start (what the stage holds until B: all its activations, or
-            # its inputs where it recomputes the rest at B's start), free at B
-            # end (all or all but W's share) and at W end
+            # its inputs where it recomputes the rest at B's start), free at B's end (all, or
+            # all but what its W reads) and at W's end
             if kind is kind_f:
                 # (the input the previous stage left here is the F's now; its outputs are held at
                 # its end until sent, or until the next F here reads them: sent >= 0)

@@ -849,12 +849,13 @@ def _op_ticks(plan: PipelinePlan, costs: CostTable) -> dict[Op, int]:
 def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], stash: Sequence[float],
                    sent: Sequence[float], handed: Sequence[bool]) -> list[tuple[bool, int]]:
     """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
-    them: F takes what its stage holds until B, and what it sends on until its end (the
-    simulator's peak at F's end; nothing else runs on the device in between), or, for the next
-    stage on its device, until that stage's F; a recomputing stage's B takes the rest at its
-    start, and what its W reads beyond its activations; B frees its activations at its end but
-    for what it leaves for its W (`stash`, bytes per stage; nothing without a W), and W frees that,
-    so every microbatch gives back exactly what it took (`sent`, `handed`: `simulator.sent_outputs`). Integers: the reservoir's units."""
+    them (`sent`, `handed`: `simulator.sent_outputs`): F takes what its stage holds until B, and
+    what it sends on until its end (the simulator's peak at F's end; nothing else runs on the
+    device in between), or, for the next stage on its device, until that stage's F; a
+    recomputing stage's B takes the rest at its start, and what its W reads beyond its
+    activations; B frees its activations at its end but for what it leaves for its W (`stash`,
+    bytes per stage; nothing without a W), and W frees that, so every microbatch gives back
+    exactly what it took. Integers: the reservoir's units."""
     stage = op.stage
     amount = int(round(sc.activation[stage]))
     held = int(round(sc.held[stage]))
@@ -1125,7 +1126,9 @@ def solve_joint(
     (present when their stage is there) under no-overlap; activation memory is a cumulative per
     device: a microbatch holds its stage's activations from F's start to B's end, and what its B
     leaves for its W (`CostTable.weight_stash_with(memory.weight_memory_fraction)`) to W's end,
-    or all of them to B's end without split backward; the parameter, gradient and optimizer bytes of its stages come off the memory limit.
+    or all of them to B's end without split backward; the parameter, gradient and optimizer bytes
+    of its stages come off the memory limit. What an F sends on, which the simulator holds until
+    sent, is not counted here: with outputs of bytes, simulate a solution against the limit.
     With `split_backward` every (stage, microbatch) has a W op (W right after B costs the same
     time as a full backward and holds no more memory), else none has.
 
