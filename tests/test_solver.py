@@ -390,6 +390,8 @@ def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, un
 @example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False, None)  # stage 0's W costs nothing
 @example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True, None)  # the window's last end first
 @example([(1, 2, 1, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 1, False, 1.5)  # W holds more than F did
+# a W of no time at B's end: the reservoir once summed B's growth with W's release at that instant
+@example([(1, 1, 0, 1), (1, 1, 0, 2)], ((0, 1), 2, True), 1, False, 1.5)
 def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first, stash_share):
     # the CP-SAT order models' memory must allow exactly the orders the simulator's accounting
     # allows: from a one-microbatch-at-a-time hint the whole-order model and a window freeing
