@@ -349,16 +349,19 @@ class StageCosts:
         )
 
 
-def sent_outputs(sc: StageCosts, placement: Sequence[int]) -> tuple[list[float], list[bool]]:
+def sent_outputs(sc: StageCosts, placement: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
     """Per stage, the bytes its F leaves for later stages (its outputs and skip tensors), held
-    from F's end until sent; and whether stage s runs on the device of stage s - 1 (handed[s]),
-    where the outputs of s - 1 are held until the F of s, whose input they become."""
+    from F's end until sent; the bytes its F takes over as its input from the previous stage
+    on the same device (held since that stage's F; 0 where the previous stage is elsewhere); and
+    the bytes it leaves the next stage on the same device, held until that stage's F (0 where
+    the next stage is elsewhere)."""
     num_stages = len(sc.forward)
     sent = [sc.output[s] if s + 1 < num_stages else 0.0 for s in range(num_stages)]
     for source, _, size in sc.skips:
         sent[source] += size
-    handed = [s > 0 and placement[s] == placement[s - 1] for s in range(num_stages)]
-    return sent, handed
+    taken = [sc.output[s - 1] if s > 0 and placement[s] == placement[s - 1] else 0.0 for s in range(num_stages)]
+    left = [*taken[1:], 0.0]
+    return sent, taken, left
 
 
 def stage_costs(plan: PipelinePlan, costs: CostTable) -> StageCosts:
@@ -771,13 +774,12 @@ def _run(
     forward, backward_input, backward_full, weight = sc.forward, sc.backward_input, sc.backward_full, sc.weight
     act_bytes, out_bytes, held = sc.activation, sc.output, sc.held
     stash = sc.weight_stash(memory.weight_memory_fraction)
-    sent, handed = sent_outputs(sc, stage_device)
+    sent, taken, left = sent_outputs(sc, stage_device)
     # per stage, what an F adds (what it holds to B, less the input the previous stage left it on
     # this device), what it sends on (held at its end: a peak there), what stays for the next
     # stage's F on this device; what a B takes back at its start (a recomputing stage) and adds
     # at its end with a split (what W reads, less its activations)
-    f_adds = [held[s] - (out_bytes[s - 1] if handed[s] else 0.0) for s in range(num_stages)]
-    f_leaves = [out_bytes[s] if s + 1 < num_stages and handed[s + 1] else 0.0 for s in range(num_stages)]
+    f_adds = [held[s] - taken[s] for s in range(num_stages)]
     b_regrows = [act_bytes[s] - held[s] for s in range(num_stages)]
     b_split_end = [stash[s] - act_bytes[s] for s in range(num_stages)]
     latency_ms = cluster.latency_s * 1e3
@@ -922,7 +924,7 @@ def _run(
                 level = activation[device] + f_adds[stage]
                 if level + sent[stage] > peak[device]:
                     peak[device] = level + sent[stage]
-                activation[device] = level + f_leaves[stage]
+                activation[device] = level + left[stage]
             elif kind is kind_b:
                 level = activation[device]
                 if b_regrows[stage]:

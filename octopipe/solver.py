@@ -847,9 +847,9 @@ def _op_ticks(plan: PipelinePlan, costs: CostTable) -> dict[Op, int]:
 
 
 def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], stash: Sequence[float],
-                   sent: Sequence[float], handed: Sequence[bool]) -> list[tuple[bool, int]]:
+                   hand_offs: tuple[list[float], list[float], list[float]]) -> list[tuple[bool, int]]:
     """(at the op's start?, bytes allocated; negative = freed) of one op, as the simulator counts
-    them (`sent`, `handed`: `simulator.sent_outputs`): F takes what its stage holds until B, and
+    them (`hand_offs`: `simulator.sent_outputs`): F takes what its stage holds until B, and
     what it sends on until its end (the simulator's peak at F's end; nothing else runs on the
     device in between), or, for the next stage on its device, until that stage's F; a
     recomputing stage's B takes the rest at its start, and what its W reads beyond its
@@ -860,9 +860,8 @@ def _memory_events(op: Op, sc: StageCosts, split: frozenset[tuple[int, int]], st
     amount = int(round(sc.activation[stage]))
     held = int(round(sc.held[stage]))
     if op.kind is OpKind.F:
-        taken = int(round(sc.output[stage - 1])) if handed[stage] else 0
-        kept = int(round(sc.output[stage])) if stage + 1 < len(handed) and handed[stage + 1] else 0
-        sending = int(round(sent[stage]))
+        sent, took, left = hand_offs
+        taken, kept, sending = int(round(took[stage])), int(round(left[stage])), int(round(sent[stage]))
         return [(True, held + sending - taken)] + ([(False, kept - sending)] if sending or kept else [])
     left = int(round(stash[stage])) if (stage, op.microbatch) in split else 0
     if op.kind is OpKind.B:
@@ -949,7 +948,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
     hint_end = {op: hint[op] + durations[op] for op in hint}
     horizon = max(hint_end.values())
     stash = sc.weight_stash(memory.weight_memory_fraction)
-    sent, handed = sent_outputs(sc, plan.placement)
+    hand_offs = sent_outputs(sc, plan.placement)
     model = cp_model.CpModel()
     start: dict[Op, cp_model.IntVar] = {}
     end: dict[Op, cp_model.LinearExpr] = {}
@@ -973,7 +972,7 @@ def _solve_window(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, wi
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
             level, times, changes = 0, [], []
             for op in before + middle:
-                for at_start, change in _memory_events(op, sc, split, stash, sent, handed):
+                for at_start, change in _memory_events(op, sc, split, stash, hand_offs):
                     if op in start:
                         times.append(start[op] if at_start else end[op])
                         changes.append(change)
@@ -1018,6 +1017,8 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
 
     sc = stage_costs(plan, costs)
     split = plan.split_backward()
+    stash = sc.weight_stash(memory.weight_memory_fraction)
+    hand_offs = sent_outputs(sc, plan.placement)
     durations = _op_ticks(plan, costs)
     deps = _dependencies(plan, costs, cluster)
     hint = _integer_schedule(plan, durations, deps)
@@ -1057,11 +1058,9 @@ def _solve_order(plan: PipelinePlan, costs: CostTable, cluster: ClusterSpec, win
                     pending = []
                     previous_fixed = op
         if activation_budget is not None and math.isfinite(activation_budget[device]) and any(sc.activation):
-            stash = sc.weight_stash(memory.weight_memory_fraction)
-            sent, handed = sent_outputs(sc, plan.placement)
             times, changes = [], []
             for op in ops:
-                for at_start, change in _memory_events(op, sc, split, stash, sent, handed):
+                for at_start, change in _memory_events(op, sc, split, stash, hand_offs):
                     times.append(start[op] if at_start else end[op])
                     changes.append(change)
             model.AddReservoirConstraint(times, changes, 0, int(activation_budget[device]) + len(ops))

@@ -304,8 +304,9 @@ def list_schedule(
     caps = inflight_caps(structure, costs, cluster, m, policy, activation_budget)
     # what a B leaves for its W, held until the W (nothing without a split)
     stash = sc.weight_stash(memory.weight_memory_fraction) if policy.split_backward else (0.0,) * structure.num_stages
-    # what an F sends on, held at its end until sent (handed[s]: until stage s's F on the same device)
-    sent, handed = sent_outputs(sc, placement)
+    # what an F sends on, held at its end until sent (or what it leaves the next stage's F on
+    # its device, until that F takes it over as its input)
+    sent, taken, left = sent_outputs(sc, placement)
     budget = list(activation_budget) if activation_budget is not None else [math.inf] * num_devices
     stages_of = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_devices)]
     # a recomputing stage's B takes its activations back at its start: a forward must leave room
@@ -316,8 +317,7 @@ def list_schedule(
     # it keeps what it holds, less the input the previous stage left on this device, and what it
     # leaves the next stage's F here
     f_need = [held[s] + max(sent[s], regrow[placement[s]]) for s in range(num_stages)]
-    f_keeps = [held[s] - (output[s - 1] if handed[s] else 0.0)
-               + (output[s] if s + 1 < num_stages and handed[s + 1] else 0.0) for s in range(num_stages)]
+    f_keeps = [held[s] - taken[s] + left[s] for s in range(num_stages)]
     # W ops a stage may keep waiting: a global limit, or (zero-bubble H1 style) as many as its
     # device's rank in the pipeline, so the devices that finish last keep W for their drain
     rank_of = sorted(range(num_devices), key=lambda d: (stages_of[d][0] if stages_of[d] else num_stages, d))

@@ -43,11 +43,11 @@ def one_in_flight(costs, structure):
     the most one of its forwards sends on (held at its end until sent) and the outputs it hands
     to its own next stage (held until that stage's forward)."""
     sc = StageCosts.of(structure.boundaries, costs, structure.recompute, structure.selective)
-    sent, handed = sent_outputs(sc, structure.placement)
+    sent, taken, _ = sent_outputs(sc, structure.placement)
     most = 0.0
     for device in range(structure.num_devices):
         own = [s for s, d in enumerate(structure.placement) if d == device]
-        most = max(most, sum(sc.activation[s] + (sc.output[s - 1] if handed[s] else 0.0) for s in own)
+        most = max(most, sum(sc.activation[s] + taken[s] for s in own)
                    + max(sent[s] for s in own))
     return most
 
