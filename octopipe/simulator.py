@@ -286,8 +286,6 @@ class StageCosts:
         """Bytes each stage's split B leaves for its W (held until W ends): what its layers' table
         says, and `fraction` (`MemoryModel.weight_memory_fraction`) of the activation bytes of the
         layers it does not say it for."""
-        if not self.stash_known:
-            return tuple(fraction * value for value in self.activation)
         return tuple(known + fraction * unknown for known, unknown in zip(self.stash_known, self.stash_unknown))
 
     @classmethod
