@@ -28,6 +28,15 @@ microbatch of one sequence in bf16:
                     blocks. Estimates, not measurements: the profiles time no selective run.
                     Models without fractions keep none, and the planner then offers no
                     selective stages for them.
+  weight_stash_bytes
+                    what a split backward's B leaves for its W (the split linears' inputs and
+                    output gradients), as a per-kind fraction of the layer's activation bytes
+                    (`WEIGHT_STASH_FRACTIONS`), from the same analytic configs as the selective
+                    fractions. An MoE block leaves far less than a dense one (its expert matmuls
+                    are not split). A merged-in head leaves its block's share: its logits'
+                    gradient is not counted, as its logits are not. Models or kinds without
+                    fractions keep none, and the memory model's `weight_memory_fraction` of the
+                    activations stands in for them.
 
 The hidden size comes from `HIDDEN_SIZE` for the four published models (their published
 configurations), or from the caller. Without one the table keeps no bytes, and memory limits
@@ -57,6 +66,15 @@ SELECTIVE_FRACTIONS: dict[str, dict[str, tuple[float, float]]] = {
 """Per model and layer kind: (kept bytes / activation bytes, recompute ms / forward ms) under
 selective recomputation, from the analytic pass (see the module doc; a test recomputes them)."""
 
+WEIGHT_STASH_FRACTIONS: dict[str, dict[str, float]] = {
+    "gpt-13B": {"T": 0.677},
+    "deepseek-16B": {"D": 0.699, "M": 0.310},
+    "gpt-oss-20B": {"S": 0.310, "F": 0.310},
+    "nemotron-nano-v2-9B": {"M": 0.355, "-": 0.720, "*": 0.615},
+}
+"""Per model and layer kind: a split B's stash for its W / the layer's activation bytes, from the
+analytic pass (see the module doc; a test recomputes them)."""
+
 HIDDEN_SIZE = {"gpt-13B": 5120, "deepseek-16B": 2048, "gpt-oss-20B": 2880, "nemotron-nano-v2-9B": 4480}
 """Hidden sizes of the profiled models (gpt-13B, DeepSeekMoE 16B, gpt-oss-20B, Nemotron-Nano-v2-9B)."""
 
@@ -72,11 +90,13 @@ def is_profile(data: Any) -> bool:
     return isinstance(data, dict) and "seq_len" in data and "kind_legend" in data and "layers" in data
 
 
-def load_profile(path: str | Path, hidden_size: int | None = None, *, selective: bool = True) -> CostTable:
+def load_profile(path: str | Path, hidden_size: int | None = None, *, selective: bool = True,
+                 weight_stash: bool = True) -> CostTable:
     """The profile at `path` with output and activation bytes filled (see the module doc).
     `hidden_size` defaults to the model's entry in `HIDDEN_SIZE`; a model not there needs it.
     `selective`: also fill the selective-recomputation estimates, where `SELECTIVE_FRACTIONS`
-    has the model."""
+    has the model. `weight_stash`: also fill what a split B leaves for its W, where
+    `WEIGHT_STASH_FRACTIONS` has the model (else the memory model's default share stands in)."""
     if not isinstance(path, (str, Path)):
         raise CostTableError(f"load_profile: path must be a file path, got {type(path).__name__}")
     path = Path(path)
@@ -99,6 +119,9 @@ def load_profile(path: str | Path, hidden_size: int | None = None, *, selective:
     if not isinstance(legend, dict) or not all(isinstance(key, str) for key in legend):
         raise CostTableError(f"{path}: kind_legend must map layer kinds to descriptions, got {legend!r:.80}")
     costs = fill_bytes(costs, seq_len, hidden, legend, where=str(path))
+    stash = WEIGHT_STASH_FRACTIONS.get(model) if weight_stash else None
+    if stash:
+        costs = fill_weight_stash(costs, stash)
     fractions = SELECTIVE_FRACTIONS.get(model) if selective else None
     if not fractions:
         return costs
@@ -142,6 +165,20 @@ def fill_bytes(costs: CostTable, seq_len: int, hidden_size: int, kind_legend: di
                 output_bytes=seq_len * hidden_size * BYTES_PER_ELEMENT)
         for layer in costs
     ]
+    return costs.replace_layers(layers)
+
+
+def fill_weight_stash(costs: CostTable, fractions: dict[str, float]) -> CostTable:
+    """`costs` (activation bytes filled) with each layer's `weight_stash_bytes`: its kind's
+    fraction of its activation bytes. A layer whose kind has no fraction keeps none (unknown: the
+    memory model's `weight_memory_fraction` stands in), as does one without activation bytes."""
+    layers = []
+    for layer in costs:
+        share = fractions.get(layer.kind.split("+")[0])
+        if share is None or layer.activation_bytes is None:
+            layers.append(layer)
+        else:
+            layers.append(replace(layer, weight_stash_bytes=round(share * layer.activation_bytes)))
     return costs.replace_layers(layers)
 
 

@@ -1,6 +1,7 @@
 """octopipe.profiles: the published GPU profiles with the bytes they leave out."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,5 +97,29 @@ def test_selective_fractions_are_the_analytic_passes(model, family, kinds):
         kept, recompute = profiles.SELECTIVE_FRACTIONS[model][kind]
         assert layer.selective_activation_bytes / layer.activation_bytes == pytest.approx(kept, abs=6e-4)
         assert layer.selective_recompute_ms / layer.forward_ms == pytest.approx(recompute, abs=6e-4)
+        stash = profiles.WEIGHT_STASH_FRACTIONS[model][kind]
+        assert layer.weight_stash_bytes / layer.activation_bytes == pytest.approx(stash, abs=6e-4)
     if model == "deepseek-16B":  # gpt-oss-20B borrows the MoE block's
         assert set(profiles.SELECTIVE_FRACTIONS["gpt-oss-20B"].values()) == {profiles.SELECTIVE_FRACTIONS[model]["M"]}
+        assert set(profiles.WEIGHT_STASH_FRACTIONS["gpt-oss-20B"].values()) == {
+            profiles.WEIGHT_STASH_FRACTIONS[model]["M"]}
+
+
+def test_weight_stash_scales_each_kind_by_its_fraction_and_is_left_unknown_without_one(tmp_path):
+    path = DATA / "deepseek-16B-seq4096.json"
+    costs = profiles.load_profile(path)
+    for layer in costs:  # the merged-in embedding and head leave their block's share
+        share = profiles.WEIGHT_STASH_FRACTIONS["deepseek-16B"][layer.kind.split("+")[0]]
+        assert layer.weight_stash_bytes == round(share * layer.activation_bytes)
+    moe = next(layer for layer in costs if layer.kind == "M")
+    dense = next(layer for layer in costs if layer.kind == "D")
+    assert moe.weight_stash_bytes < 0.5 * dense.weight_stash_bytes  # experts' einsums are not split
+    assert {layer.weight_stash_bytes for layer in profiles.load_profile(path, weight_stash=False)} == {None}
+    partial = profiles.fill_weight_stash(costs.replace_layers([replace(layer, weight_stash_bytes=None)
+                                                                for layer in costs]), {"D": 0.5})
+    assert all((layer.weight_stash_bytes is None) == (layer.kind.split("+")[0] == "M") for layer in partial)
+    raw = json.loads((DATA / "gpt-oss-20B-seq2048.json").read_text())
+    raw["model"] = "mystery-3B"
+    unknown = tmp_path / "mystery.json"
+    unknown.write_text(json.dumps(raw))
+    assert {layer.weight_stash_bytes for layer in profiles.load_profile(unknown, hidden_size=1024)} == {None}
