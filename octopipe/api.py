@@ -528,10 +528,11 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     `memory_limit`, activations within `activation_budget`), or None; and the least memory and
     activation per device such a plan needs at all (balanced splits)."""
     _, total, activation, sent = _layer_needs(costs, memory)
+    start = _stage_start(costs)
     p = min(num_devices, len(costs))
 
     def most(values: Sequence[float], bounds: Sequence[int]) -> float:
-        return max(sum(values[a:b]) + sent[b - 1] for a, b in _pairs(bounds))
+        return max(start[a] + sum(values[a:b]) + sent[b - 1] for a, b in _pairs(bounds))
 
     def balanced(values: Sequence[float]) -> float:
         """The need of the split balancing `values`, or balancing them with what each layer would
@@ -542,7 +543,7 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
     need_memory = balanced(total)
     need_activation = balanced(activation)
     cap = math.inf if activation_budget is None else activation_budget
-    found = _contiguous_split(total, activation, sent, p, memory_limit, cap)
+    found = _contiguous_split(total, activation, sent, p, memory_limit, cap, start)
     if found is None:
         return None, need_memory, need_activation
     bounds = list(found)
@@ -564,24 +565,34 @@ def _least_need(costs: CostTable, num_devices: int, memory: MemoryModel, memory_
 def _layer_needs(costs: CostTable, memory: MemoryModel) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per layer: its weights, gradients and optimizer state; that plus one microbatch's
     activations (what its device holds during its backward); its activations; and what a stage
-    ending with it sends on (its outputs, held at its forward's end until sent; none for the last)."""
+    ending with it sends on (its outputs, held at its forward's end until sent; none for the last).
+    A stage starting with layer i > 0 also holds `costs.unsaved_input[i]` (`_stage_start`)."""
     static = [costs.params[i] * memory.state_bytes_per_param_byte for i in range(len(costs))]
     activation = list(costs.activation)
     sent = [*costs.output[:-1], 0.0]
     return static, [a + b for a, b in zip(static, activation)], activation, sent
 
 
+def _stage_start(costs: CostTable) -> list[float]:
+    """Per layer: what a stage starting with it holds beyond its layers' activations (what it
+    received and its first layer does not save; none for the first layer), as the simulator
+    counts it."""
+    return [0.0, *costs.unsaved_input[1:]]
+
+
 def _contiguous_split(total: Sequence[float], activation: Sequence[float], sent: Sequence[float], p: int,
-                      memory_limit: float, activation_cap: float) -> tuple[int, ...] | None:
+                      memory_limit: float, activation_cap: float,
+                      start: Sequence[float] | None = None) -> tuple[int, ...] | None:
     """The fewest contiguous stages, at most `p`, whose layers' `total` (state and one
     microbatch's activations) fits `memory_limit` and whose `activation` fits `activation_cap`,
-    each with what its last layer sends on (`sent`) (greedy: each stage takes layers while both
-    fit), or None."""
+    each with what its last layer sends on (`sent`) and what its first layer's input adds
+    (`start`, `_stage_start`; none by default) (greedy: each stage takes layers while both fit),
+    or None."""
     bounds, held, acts = [0], 0.0, 0.0
     for i in range(len(total)):
         if i > bounds[-1] and (held + total[i] + sent[i] > memory_limit or acts + activation[i] + sent[i] > activation_cap):
             bounds.append(i)
-            held = acts = 0.0
+            held = acts = start[i] if start is not None else 0.0
         held += total[i]
         acts += activation[i]
         if held + sent[i] > memory_limit or acts + sent[i] > activation_cap:
@@ -639,6 +650,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     if bounds is not None:
         return bounds, ""
     static, total, activation, sent = _layer_needs(costs, memory)
+    start = _stage_start(costs)
     shared = sum((len(tied.layers) - 1) * tied.bytes * memory.state_bytes_per_param_byte for tied in costs.tied)
     least_memory = max(max(total), (sum(static) - shared) / num_devices)
     least_activation = max(activation)
@@ -646,7 +658,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     cap = math.inf if activation_budget is None else activation_budget
 
     def fits(memory_cap: float, activation_cap: float) -> bool:
-        return _contiguous_split(total, activation, sent, p, memory_cap, activation_cap) is not None
+        return _contiguous_split(total, activation, sent, p, memory_cap, activation_cap, start) is not None
 
     # what to raise, each with the other limit as given: the least limits a contiguous split (one
     # stage per device, one microbatch in flight) meets, which a plan then always fits (each
@@ -655,7 +667,7 @@ def _check_memory_feasible(costs: CostTable, num_devices: int, num_microbatches:
     activation_with_memory = _least_limit(lambda limit: fits(memory_limit, limit), sum(activation), need_activation)
     if need_memory > memory_limit:
         # the fewest devices whose contiguous stages meet both limits
-        fewest = _contiguous_split(total, activation, sent, len(costs), memory_limit, cap)
+        fewest = _contiguous_split(total, activation, sent, len(costs), memory_limit, cap, start)
         more = (f"use {len(fewest) - 1} devices" if fewest is not None else
                 "(more devices cannot help: a single layer with its state and one microbatch's activations needs "
                 "more than the limit)" if max(total) > memory_limit else

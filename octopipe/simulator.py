@@ -265,6 +265,8 @@ class StageCosts:
     backward_full: tuple[float, ...]
     weight: tuple[float, ...]
     activation: tuple[float, ...]
+    """Bytes a stage's F keeps for its B: its layers' activations, and what it received that its
+    first layer does not save (`LayerCost.unsaved_input_bytes`: the runtime holds it anyway)."""
     output: tuple[float, ...]
     """Bytes each stage sends to the next (its last layer's output, less the skip tensors the next
     stage does not read, plus those of its other layers it does); the gradient going back is as big."""
@@ -314,9 +316,13 @@ class StageCosts:
         forward = [costs.range_sum("forward", a, b) for a, b in pairs]
         backward_input = [costs.range_sum("backward_input", a, b) for a, b in pairs]
         backward_full = [costs.range_sum("backward_full", a, b) for a, b in pairs]
-        activation = [costs.range_sum("activation", a, b) for a, b in pairs]
+        # a stage's activations: its layers', and what it received that its first layer saves none
+        # of (the runtime keeps a stage's inputs from its F to its B): a loss layer's logits
+        unsaved = costs.unsaved_input
+        activation = [costs.range_sum("activation", a, b) + (unsaved[a] if s else 0.0) for s, (a, b) in enumerate(pairs)]
         output = [max(0.0, value) for value in chain]
         held = list(activation)
+
         def boundary(stage: int) -> float:
             """What the stage received: kept from F to B whatever it recomputes (what it sends is
             held only until sent, as for every stage)."""

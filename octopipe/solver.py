@@ -1127,7 +1127,9 @@ def solve_joint(
     leaves for its W (`CostTable.weight_stash_with(memory.weight_memory_fraction)`) to W's end,
     or all of them to B's end without split backward; the parameter, gradient and optimizer bytes
     of its stages come off the memory limit. What an F sends on, which the simulator holds until
-    sent, is not counted here: with outputs of bytes, simulate a solution against the limit.
+    sent, is not counted here, nor the inputs a stage's first layer does not save
+    (`LayerCost.unsaved_input_bytes`), which the simulator holds from F to B: with outputs or
+    unsaved inputs of bytes, simulate a solution against the limit.
     With `split_backward` every (stage, microbatch) has a W op (W right after B costs the same
     time as a full backward and holds no more memory), else none has.
 

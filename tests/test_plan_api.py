@@ -357,6 +357,25 @@ def test_limits_the_search_cannot_meet_raise_infeasible_with_what_works():
                       effort=0.05, recompute=False)
 
 
+def test_the_limit_infeasible_suggests_counts_what_a_stage_receives_and_does_not_save():
+    # as above, but layer 2 saves none of the 4 MiB it receives (a loss's logits): a stage
+    # starting there holds them too, so the even split needs 4 + 20 MiB on its second device,
+    # not the 20.25 MiB of the first; the fix named is that, and a plan at it fits
+    mib = 2**20
+    costs = CostTable([LayerCost(f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=10 * mib,
+                                 output_bytes=mib // 4, unsaved_input_bytes=4 * mib if i == 2 else None)
+                       for i in range(4)])
+    cluster = ClusterSpec.preset("h100x2")
+    with pytest.raises(InfeasibleError, match=r"Raise activation_limit to 24\.0 MiB \(25165824 bytes\), which always "
+                                              r"works"):
+        octopipe.plan(costs, cluster, 2, activation_limit=15 * mib, quiet=True, time_limit_s=10, effort=0.05,
+                      recompute=False)
+    result = octopipe.plan(costs, cluster, 2, activation_limit=24 * mib, quiet=True, time_limit_s=10, effort=0.05,
+                           recompute=False)
+    assert max(simulate(result.plan, costs, cluster).peak_activation_bytes) <= 24 * mib
+    check_result(result, costs, cluster)
+
+
 def test_infeasible_names_every_limit_that_binds_and_its_fix_works():
     # 4 layers of 2 GiB state and 1 GiB activations on 2 devices: 3.5 GiB cannot hold half the
     # state, and 1.5 GiB of activations is under an even split's 2 GiB; the message names both

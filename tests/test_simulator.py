@@ -9,7 +9,7 @@ from octopipe import ClusterSpec, CostTable, LayerCost, PipelinePlan, PlanError
 from octopipe.errors import ArgumentError, ClusterSpecError
 from octopipe.ir import SkipTensor, TiedParameter
 from octopipe.ir.plan import B, F, Op, OpKind, W
-from octopipe.simulator import MemoryModel, iteration_time, jitter_of, jittered_iterations, simulate
+from octopipe.simulator import MemoryModel, StageCosts, iteration_time, jitter_of, jittered_iterations, simulate
 
 FREE = ClusterSpec(num_devices=8, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30, latency_s=0.0)
 
@@ -174,6 +174,41 @@ device 0: 0F0 0F1 1F0 1B0 1F1 1B1 0B0 0B1
     assert result.peak_activation_bytes == (2200,)
     # the same order with what each F sends counted nowhere: only the activations
     assert simulate(plan_of(together), table(2, activation=100), FREE).peak_activation_bytes == (300,)
+
+
+def test_a_stage_holds_what_it_received_and_its_first_layer_does_not_save_from_f_to_b():
+    # layer 1 (a loss) saves 10 bytes of its own but not the 1000 it receives (its logits): the
+    # runtime holds a stage's inputs from its F to its B, so a stage starting with it holds them
+    base = table(2, activation=10, output=1000)
+    costs = base.replace_layers([base.layers[0], replace(base.layers[1], unsaved_input_bytes=1000)])
+    apart = """plan devices=2 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=1
+device 0: 0F0 0F1 0B0 0B1
+device 1: 1F0 1B0 1F1 1B1
+"""
+    # device 0: 0F1 ends holding 2 x 10 and sending 1000; device 1: one microbatch's 10 + 1000
+    assert simulate(plan_of(apart), costs, FREE).peak_activation_bytes == (1020, 1010)
+    assert simulate(plan_of(apart), base, FREE).peak_activation_bytes == (1020, 10)
+    together = """plan devices=1 microbatches=2 stages=2
+stage 0 layers=0:1 device=0
+stage 1 layers=1:2 device=0
+device 0: 0F0 0F1 1F0 1B0 1F1 1B1 0B0 0B1
+"""
+    # on one device 1F0 takes over the 1000 stage 0 left it and keeps it to 1B0: 2020 + 10
+    assert simulate(plan_of(together), costs, FREE).peak_activation_bytes == (2030,)
+    assert simulate(plan_of(together), base, FREE).peak_activation_bytes == (2020,)
+    # inside a stage the logits are an intermediate the loss does not save: nothing held
+    whole = """plan devices=1 microbatches=2 stages=1
+stage 0 layers=0:2 device=0
+device 0: 0F0 0F1 0B0 0B1
+"""
+    assert simulate(plan_of(whole), costs, FREE).peak_activation_bytes == (40,)
+    # a recomputing loss stage keeps what it received (1000), then its B runs F again (+10)
+    again = plan_of(apart).with_recompute((False, True))
+    sc = StageCosts.of(again.boundaries, costs, again.recompute)
+    assert (sc.held[1], sc.activation[1]) == (1000, 1010)
+    assert simulate(again, costs, FREE).peak_activation_bytes == (1020, 1010)
 
 
 def test_deadlock_names_the_waiting_ops_and_marks_the_grid():

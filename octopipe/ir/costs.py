@@ -22,7 +22,11 @@ Bytes are per microbatch: `activation_bytes` kept from F until B/W, `output_byte
 next stage, and `param_bytes` of the layer's parameters (in the training dtype).
 `weight_stash_bytes` is what a split backward's B leaves for its W: the inputs and output
 gradients of the linear layers whose weight gradients W computes (absent: not known, and the
-simulator keeps its memory model's `weight_memory_fraction` of the activation bytes). A missing byte
+simulator keeps its memory model's `weight_memory_fraction` of the activation bytes).
+`unsaved_input_bytes` is what of the layer's inputs from earlier layers its backward does not save
+(a loss layer's logits: it keeps their log-softmax): a stage starting with the layer received it,
+and the runtime holds what a stage received from its F until its B, so the memory model counts
+it there (absent: 0, every input saved or none received). A missing byte
 count is `None` and counts as 0. `formulas` keeps sympy expressions (as text) in the batch symbol `b` and the
 sequence symbol `s` where the costs came from analysis.
 
@@ -70,7 +74,8 @@ MAX_LAYER_MS = 1e9
 _TIME_FIELDS = ("forward_ms", "backward_ms")
 _OPTIONAL_TIME_FIELDS = ("backward_weight_ms", "backward_full_ms", "accumulate_ms", "accumulate_weight_ms",
                          "selective_recompute_ms", "forward_no_grad_ms")
-_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes", "weight_stash_bytes")
+_BYTE_FIELDS = ("activation_bytes", "output_bytes", "param_bytes", "selective_activation_bytes", "weight_stash_bytes",
+                "unsaved_input_bytes")
 _LAYER_KEYS = ("name", "kind", *_TIME_FIELDS, *_OPTIONAL_TIME_FIELDS, *_BYTE_FIELDS, "formulas")
 _TABLE_KEYS = ("model", "weight_fraction", "num_microbatches", "layers", "tied", "skips")
 _FORMULA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -119,6 +124,9 @@ class LayerCost:
     weight_stash_bytes: int | None = None
     """Bytes a split backward's B leaves for its W (see the module docstring). None: not known,
     the memory model's `weight_memory_fraction` of `activation_bytes`."""
+    unsaved_input_bytes: int | None = None
+    """Bytes of the layer's inputs from earlier layers that its backward does not save, held from F
+    to B where the layer starts a stage (see the module docstring). None: 0."""
 
     def formula(self, name: str) -> sympy.Expr:
         for key, text in self.formulas:
@@ -135,7 +143,7 @@ class LayerCost:
             ("output_bytes", self.output_bytes), ("param_bytes", self.param_bytes),
             ("selective_activation_bytes", self.selective_activation_bytes),
             ("selective_recompute_ms", self.selective_recompute_ms), ("forward_no_grad_ms", self.forward_no_grad_ms),
-            ("weight_stash_bytes", self.weight_stash_bytes),
+            ("weight_stash_bytes", self.weight_stash_bytes), ("unsaved_input_bytes", self.unsaved_input_bytes),
             *(("f." + key, text) for key, text in self.formulas),
         ]
 
@@ -328,6 +336,11 @@ class CostTable:
         return self._array("weight_stash_unknown", (float(layer.activation_bytes or 0) if layer.weight_stash_bytes is None
                                                     else 0.0 for layer in self.layers))
 
+    @property
+    def unsaved_input(self) -> tuple[float, ...]:
+        """Bytes of each layer's inputs its backward does not save (held where it starts a stage)."""
+        return self._array("unsaved_input", (float(layer.unsaved_input_bytes or 0) for layer in self.layers))
+
     def weight_stash_with(self, fraction: float) -> tuple[float, ...]:
         """Bytes each layer's B leaves for its W: stated, or `fraction` of its activation bytes."""
         return tuple(known + fraction * unknown for known, unknown in zip(self.weight_stash, self.weight_stash_unknown))
@@ -488,6 +501,7 @@ class CostTable:
                 selective_recompute_ms=reader.optional_float("selective_recompute_ms"),
                 forward_no_grad_ms=reader.optional_float("forward_no_grad_ms"),
                 weight_stash_bytes=reader.optional_int("weight_stash_bytes"),
+                unsaved_input_bytes=reader.optional_int("unsaved_input_bytes"),
             )
             formulas: list[tuple[str, str]] = []
             for key, value in reader.rest().items():

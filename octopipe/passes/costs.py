@@ -572,6 +572,9 @@ class LayerWork:
     stash: dict[str, Poly] = field(default_factory=dict)
     """What a split backward's B leaves for W: the inputs (each tensor once) and output gradients
     of the linear ops `split_backward` splits."""
+    unsaved_input: Poly = field(default_factory=Poly)
+    """Its inputs from earlier layers that need grad and that none of its ops saves (a loss
+    layer's logits): held from F to B anyway where the layer starts a stage."""
 
     def total(self, name: str) -> Poly:
         if name == "activation_bytes":
@@ -1197,8 +1200,14 @@ def _layer_works(
                 if value is not None and value.is_tensor:
                     edge_bytes[edge.name] = value.numel * _elem_bytes(value.dtype, dtype_bytes)
                     output = output + edge_bytes[edge.name]
+        unsaved = Poly()
+        for edge in graph.edges:
+            node = nodes.get(edge.name)
+            if (edge.producer >= 0 and layer.index in edge.consumers and node is not None and edge.name not in saved
+                    and pricer.grad(node)):
+                unsaved = unsaved + pricer.nbytes(node)
         works.append(LayerWork(ops, saved, output, Poly.const(layer.num_params * dtype_bytes), edge_bytes,
-                               kept, frozenset(recomputed), stash))
+                               kept, frozenset(recomputed), stash, unsaved))
     return works
 
 
@@ -1369,6 +1378,7 @@ def analytic_costs(
                 activation_bytes=_to_bytes(work.total("activation_bytes").evaluate(batch_size, seq)),
                 selective_activation_bytes=_to_bytes(work.kept_bytes.evaluate(batch_size, seq)),
                 weight_stash_bytes=_to_bytes(work.total("weight_stash_bytes").evaluate(batch_size, seq)),
+                unsaved_input_bytes=_to_bytes(work.unsaved_input.evaluate(batch_size, seq)),
                 selective_recompute_ms=sum(ms for op, ms in zip(work.ops, forwards) if op.node in work.recomputed),
                 output_bytes=_to_bytes(work.output_bytes.evaluate(batch_size, seq)),
                 param_bytes=layer.num_params * dtype_bytes,

@@ -270,7 +270,7 @@ def _measure(
 ) -> LayerCost:
     """`accumulating`: the share of a step's microbatches that add their gradients into `.grad`."""
     params: list[torch.Tensor] = [p for p in sub.module.parameters() if p.requires_grad]
-    param_ids = {p.data_ptr() for p in sub.module.parameters()}
+    param_storages = {p.untyped_storage().data_ptr() for p in sub.module.parameters()}
     param_bytes = sum(p.numel() * p.element_size() for p in sub.module.parameters())
 
     def fresh_inputs() -> list[Any]:
@@ -293,18 +293,22 @@ def _measure(
 
     try:
         forward_ms = timer(forward)
-        saved: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], int] = {}
+        # what autograd saves, per storage (as the runtime's meter counts it: q, k and v cut from
+        # one projection are one storage), parameters' storages left out
+        saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.data_ptr() not in param_ids:
-                saved[(tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))] = (
-                    tensor.numel() * tensor.element_size()
-                )
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in param_storages:
+                saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outputs = forward()
         activation_bytes = sum(saved.values())
+        # what the layer received and saved none of: held by the runtime where it starts a stage
+        unsaved_input_bytes = sum(t.untyped_storage().nbytes() for t in act_inputs
+                                  if t.untyped_storage().data_ptr() not in saved)
         out_tensors = [t for t in _flat_tensors(outputs) if t.requires_grad]
         output_bytes = sum(
             t.numel() * t.element_size()
@@ -352,6 +356,7 @@ def _measure(
         selective_activation_bytes=int(selective_bytes),
         selective_recompute_ms=selective_ms,
         weight_stash_bytes=int(stash_bytes),
+        unsaved_input_bytes=int(unsaved_input_bytes),
     )
 
 

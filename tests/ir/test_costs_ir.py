@@ -92,6 +92,7 @@ def tables(draw):
                 backward_full_ms=draw(st.none() | times),
                 forward_no_grad_ms=draw(st.none() | times),
                 weight_stash_bytes=draw(byte_counts),
+                unsaved_input_bytes=draw(byte_counts),
             )
         )
     model = draw(st.just("") | names)

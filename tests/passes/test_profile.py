@@ -58,6 +58,11 @@ def test_profiles_every_layer_of_the_reference_models(name):
     analytic = analytic_costs(graph, ClusterSpec.preset("cpux2"), batch_size=2, dtype_bytes=4)
     assert [c.weight_stash_bytes for c in table] == [c.weight_stash_bytes for c in analytic]
     assert any(c.weight_stash_bytes for c in table) and table[-1].weight_stash_bytes == 0  # (the loss has no weight)
+    # what a layer receives and saves none of: the loss's logits (it keeps their log-softmax);
+    # every other layer saves its input (a norm's or a linear's), and the first receives none
+    assert [c.unsaved_input_bytes for c in table] == [c.unsaved_input_bytes for c in analytic]
+    assert [c.unsaved_input_bytes for c in table[:-1]] == [0] * (len(table) - 1)
+    assert table[-1].unsaved_input_bytes == table[-2].output_bytes > 0
 
 
 class Block(nn.Module):
