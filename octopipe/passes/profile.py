@@ -294,12 +294,15 @@ def _measure(
     try:
         forward_ms = timer(forward)
         # what autograd saves, per storage (as the runtime's meter counts it: q, k and v cut from
-        # one projection are one storage), parameters' storages left out
+        # one projection are one storage), parameters' and the batch's storages left out (the
+        # step holds the batch whatever the schedule; a microbatch is a view of it)
         saved: dict[int, int] = {}
+        batch = {value.untyped_storage().data_ptr() for name, value in zip(sub.inputs, inputs)
+                 if name in model_inputs and isinstance(value, torch.Tensor)}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in param_storages:
+            if storage.data_ptr() not in param_storages and storage.data_ptr() not in batch:
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 

@@ -107,6 +107,34 @@ def test_heavier_layers_measure_more_and_backward_is_at_least_forward():
     assert wide.weight_stash_bytes == 8 * 64 * 4 * (128 + 2048 + 2048 + 128)
 
 
+class Patches(nn.Module):
+    """A linear on the model's float input (a vision encoder's patch embedding), then a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 128)
+        self.block = Block(128, 256)
+
+    def forward(self, pixels):
+        return self.block(self.embed(pixels))
+
+
+def test_activations_count_each_storage_once_and_not_the_batch():
+    # the runtime's meter counts per storage and leaves out the step's batch, which a microbatch
+    # is a view of: the profile does too, whatever the example inputs are views of
+    torch.manual_seed(0)
+    model = Patches()
+    batch, target = torch.randn(64, 16, 32), torch.randn(64, 16, 128)
+    graph = trace(model, (batch[:8],), loss_fn=nn.functional.mse_loss, example_target=target[:8])
+    viewed = profile_costs(graph, (batch[:8],), example_target=target[:8], repeats=1, warmup=0)
+    copied = profile_costs(graph, (batch[:8].clone(),), example_target=target[:8].clone(), repeats=1, warmup=0)
+    assert [c.activation_bytes for c in viewed] == [c.activation_bytes for c in copied]
+    assert viewed[0].activation_bytes == 0  # the linear saves only the pixels: the batch's
+    # the block saves its input (up's, 8 x 16 x 128 floats) and relu's output (down's and relu's
+    # backward share it: one storage), 8 x 16 x 256
+    assert viewed[1].activation_bytes == 8 * 16 * 4 * (128 + 256)
+
+
 def test_cut_layers_run_in_sequence_reproduce_the_model():
     model, inputs, target, graph = traced("multimodal")
     values = dict(zip(graph.inputs, (*inputs, target)))
