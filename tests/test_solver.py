@@ -5,6 +5,7 @@ import itertools
 import math
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -348,13 +349,17 @@ def best_order(costs, cluster, m, bounds, placement, split, budget, recompute=()
     return best
 
 
-def small_structure(layers, placement, recompute_first, output, stash_share=None):
+def small_structure(layers, placement, recompute_first, output, stash_share=None, unsaved=0):
     """A table of (forward, backward, weight, activation units) layers, one stage per layer on
     `placement` (cut to the layer count), the first stage recomputing where asked; with
-    `stash_share`, each layer's B leaves that share of its activation bytes for its W."""
+    `stash_share`, each layer's B leaves that share of its activation bytes for its W; the second
+    layer saves none of the `unsaved` bytes it receives (a loss's logits)."""
     costs = table([f for f, _, _, _ in layers], [b + w for _, b, w, _ in layers], weight=[w for _, _, w, _ in layers],
                   activation=[a * 1000 for _, _, _, a in layers], output=[output] * len(layers),
                   stash=None if stash_share is None else [round(a * 1000 * stash_share) for _, _, _, a in layers])
+    if unsaved:
+        costs = costs.replace_layers([replace(layer, unsaved_input_bytes=unsaved if i == 1 else None)
+                                      for i, layer in enumerate(costs)])
     placement = placement[:len(layers)]
     bounds = tuple(range(len(placement))) + (len(layers),)
     recompute = (recompute_first,) + (False,) * (len(placement) - 1)
@@ -366,11 +371,12 @@ def small_structure(layers, placement, recompute_first, output, stash_share=None
                 min_size=2, max_size=3),
        st.sampled_from([((0, 1), 2, True), ((0, 1), 2, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False),
                         ((0, 1), 3, False)]), st.integers(1, 5),
-       st.booleans(), st.sampled_from([None, 0.25, 1.5]))
-def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first, stash_share):
+       st.booleans(), st.sampled_from([None, 0.25, 1.5]), st.sampled_from([0, 1500]))
+def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, units, recompute_first, stash_share,
+                                                                unsaved):
     placement, m, split = shape
     costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=100,
-                                                          stash_share=stash_share)
+                                                          stash_share=stash_share, unsaved=unsaved)
     budget = [units * 1000.0] * 2
     exact = best_order(costs, FREE, m, bounds, placement, split, budget, recompute)
     sc = StageCosts.of(bounds, costs, recompute)
@@ -386,13 +392,16 @@ def test_order_bound_is_below_the_best_order_within_the_budget(layers, shape, un
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 6), st.integers(0, 3), st.integers(1, 4)),
                 min_size=2, max_size=3),
        st.sampled_from([((0, 1), 2, True), ((0, 1), 3, False), ((0, 1, 0), 2, False), ((1, 0, 1), 2, False)]),
-       st.integers(0, 4), st.booleans(), st.sampled_from([None, 0.25, 1.5]))
-@example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False, None)  # stage 0's W costs nothing
-@example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True, None)  # the window's last end first
-@example([(1, 2, 1, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 1, False, 1.5)  # W holds more than F did
+       st.integers(0, 4), st.booleans(), st.sampled_from([None, 0.25, 1.5]), st.sampled_from([0, 1500]))
+@example([(1, 2, 0, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 0, False, None, 0)  # stage 0's W costs nothing
+@example([(4, 6, 3, 1), (4, 1, 2, 1), (1, 1, 0, 1)], ((1, 0, 1), 2, False), 0, True, None, 0)  # the window's last end first
+@example([(1, 2, 1, 3), (3, 5, 1, 1), (2, 2, 2, 2)], ((0, 1), 2, True), 1, False, 1.5, 0)  # W holds more than F did
 # a W of no time at B's end: the reservoir once summed B's growth with W's release at that instant
-@example([(1, 1, 0, 1), (1, 1, 0, 2)], ((0, 1), 2, True), 1, False, 1.5)
-def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first, stash_share):
+@example([(1, 1, 0, 1), (1, 1, 0, 2)], ((0, 1), 2, True), 1, False, 1.5, 0)
+# a stage holding the input it does not save, beside its V partner on the same device
+@example([(1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 1, 1)], ((0, 1, 0), 2, False), 1, False, None, 1500)
+def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape, extra, recompute_first, stash_share,
+                                                                  unsaved):
     # the CP-SAT order models' memory must allow exactly the orders the simulator's accounting
     # allows: from a one-microbatch-at-a-time hint the whole-order model and a window freeing
     # every op both reach the brute-force best order within the budget, never one over it (a W
@@ -400,7 +409,7 @@ def test_whole_order_model_finds_the_best_order_within_the_budget(layers, shape,
     # plan overdrew the budget: a solution's ops are now read by start, then end)
     placement, m, split = shape
     costs, placement, bounds, recompute = small_structure(layers, placement, recompute_first, output=0,
-                                                          stash_share=stash_share)
+                                                          stash_share=stash_share, unsaved=unsaved)
     kinds = (OpKind.F, OpKind.B, OpKind.W) if split else (OpKind.F, OpKind.B)
     chain = [Op(s, OpKind.F, 0) for s in range(len(placement))] + [
         Op(s, k, 0) for s in reversed(range(len(placement))) for k in kinds[1:]]
