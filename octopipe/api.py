@@ -581,18 +581,17 @@ def _stage_start(costs: CostTable) -> list[float]:
 
 
 def _contiguous_split(total: Sequence[float], activation: Sequence[float], sent: Sequence[float], p: int,
-                      memory_limit: float, activation_cap: float,
-                      start: Sequence[float] | None = None) -> tuple[int, ...] | None:
+                      memory_limit: float, activation_cap: float, start: Sequence[float]) -> tuple[int, ...] | None:
     """The fewest contiguous stages, at most `p`, whose layers' `total` (state and one
     microbatch's activations) fits `memory_limit` and whose `activation` fits `activation_cap`,
     each with what its last layer sends on (`sent`) and what its first layer's input adds
-    (`start`, `_stage_start`; none by default) (greedy: each stage takes layers while both fit),
+    (`start`, `_stage_start`) (greedy: each stage takes layers while both fit),
     or None."""
     bounds, held, acts = [0], 0.0, 0.0
     for i in range(len(total)):
         if i > bounds[-1] and (held + total[i] + sent[i] > memory_limit or acts + activation[i] + sent[i] > activation_cap):
             bounds.append(i)
-            held = acts = start[i] if start is not None else 0.0
+            held = acts = start[i]
         held += total[i]
         acts += activation[i]
         if held + sent[i] > memory_limit or acts + sent[i] > activation_cap:
